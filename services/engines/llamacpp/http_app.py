@@ -1,0 +1,435 @@
+"""The OpenAI-compatible HTTP edge of the llama.cpp engine (Starlette; SSE written by hand).
+
+Every response carries `x-modelpool-engine: llama.cpp`, and `/v1/models` says
+the same, so the pool can never mistake this engine for the simulated one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shared.openai_protocol import (
+    ENGINE_HEADER,
+    SSE_DONE,
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    bad_request,
+    internal_error,
+    new_id,
+    not_found_model,
+    request_timeout,
+    service_unavailable,
+    sse,
+    too_many_requests,
+    validation_error,
+)
+
+from . import ENGINE_NAME
+from .chat_template import ChatTemplate
+from .engine import LlamaEngine
+from .model_files import DEFAULT_MODEL_ALIAS
+from .requests import EngineEvent, FinishEvent, RequestState, SamplingParams, TokenEvent
+from .scheduler import LengthLimitExceeded, QueueFull, effective_max_tokens
+
+log = logging.getLogger(__name__)
+
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+class EngineHeader:
+    """ASGI middleware: stamp every response with the engine's name."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (ENGINE_HEADER.encode(), ENGINE_NAME.encode())]
+            await send(message)
+
+        await self.app(scope, receive, stamped)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _next_event(queue: asyncio.Queue[EngineEvent], disconnected: asyncio.Future[None]) -> EngineEvent | None:
+    """The request's next engine event, or None when the client went away first."""
+    if not queue.empty():
+        return queue.get_nowait()
+    getter = asyncio.ensure_future(queue.get())
+    await asyncio.wait({getter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    if getter.done():
+        return getter.result()
+    getter.cancel()
+    return None
+
+
+class _SSEStream:
+    """A hand-written SSE response that cancels the engine request when the client leaves."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        self._chunks = chunks
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
+        try:
+            async for chunk in self._chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass  # the client is gone; on_close cancels the request
+        finally:
+            self._on_close()
+
+
+class EngineAPI:
+    def __init__(self, engine: LlamaEngine, *, model_alias: str | None = None) -> None:
+        self.engine = engine
+        self.model_alias = model_alias or engine.settings.model_alias or self._alias_from_path()
+        self.created = int(time.time())
+        self._template: ChatTemplate | None = None
+
+    def _alias_from_path(self) -> str:
+        if self.engine.settings.model_path is None:
+            return DEFAULT_MODEL_ALIAS
+        return self.engine.model_path.stem
+
+    def template(self) -> ChatTemplate:
+        if self._template is None:
+            backend = self.engine.backend
+            assert backend is not None
+            self._template = ChatTemplate(
+                backend.chat_template(), bos_token=backend.token_text(backend.bos), eos_token=backend.token_text(backend.eos)
+            )
+        return self._template
+
+    # -- routes ------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if self.engine.load_error:
+            return error_response(service_unavailable(f"model failed to load: {self.engine.load_error}", code="load_failed"))
+        if not self.engine.ready:
+            return error_response(service_unavailable("model is loading", code="loading"))
+        return JSONResponse({"status": "ok", "engine": ENGINE_NAME, "model": self.model_alias})
+
+    async def models(self, request: Request) -> Response:
+        card = ModelCard(
+            id=self.model_alias,
+            created=self.created,
+            owned_by=ENGINE_NAME,
+            engine=ENGINE_NAME,
+            simulated=False,
+            max_model_len=self.engine.settings.ctx_per_seq,
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    async def metrics(self, request: Request) -> Response:
+        text = self.engine.prometheus({"model": self.model_alias, "engine": ENGINE_NAME})
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def slots(self, request: Request) -> Response:
+        return JSONResponse({"engine": ENGINE_NAME, "slots": self.engine.slots(), **self.engine.status()})
+
+    async def steps(self, request: Request) -> Response:
+        """The most recent decode steps' batch composition."""
+        last = int(request.query_params.get("last", "50"))
+        records = list(self.engine.step_log)[-last:] if last > 0 else []
+        return JSONResponse(
+            {
+                "steps": [
+                    {
+                        "step_id": r.step_id,
+                        "duration_ms": round(r.duration_s * 1000, 3),
+                        "seqs": [{"seq_id": s, "request_id": q, "n_tokens": n, "kind": k} for s, q, n, k in r.seqs],
+                    }
+                    for r in records
+                ]
+            }
+        )
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest, self._chat_prompt, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest, self._completion_prompt, chat=False)
+
+    # -- shared request path -------------------------------------------------------
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.template().render(messages)
+        except Exception as exc:  # jinja raises on role orders the template refuses
+            raise bad_request(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
+        return self._tokenize(text)
+
+    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+        prompt = body.prompt_text()
+        if isinstance(prompt, list):
+            backend = self.engine.backend
+            assert backend is not None
+            bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < backend.n_vocab]
+            if bad:
+                raise bad_request(f"prompt token {bad[0]!r} is not in the vocabulary (0..{backend.n_vocab - 1})", param="prompt")
+            return list(prompt)
+        return self._tokenize(prompt)
+
+    def _tokenize(self, text: str) -> list[int]:
+        backend = self.engine.backend
+        assert backend is not None
+        bos_text = backend.token_text(backend.bos) if backend.add_bos else ""
+        # A template that writes BOS itself must not get a second one from the tokenizer.
+        add_special = not (bos_text and text.startswith(bos_text))
+        return backend.tokenize(text, add_special=add_special, parse_special=True)
+
+    async def _serve(self, request: Request, model: type[BaseModel], build_prompt: Callable[[Any], list[int]], *, chat: bool) -> Response:
+        try:
+            try:
+                payload = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+            if not isinstance(payload, dict):
+                raise bad_request("the request body must be a JSON object")
+            try:
+                body = model.model_validate(payload)
+            except ValidationError as exc:
+                raise validation_error(exc) from exc
+            if body.model != self.model_alias:  # type: ignore[attr-defined]
+                raise not_found_model(body.model)  # type: ignore[attr-defined]
+            if not self.engine.ready:
+                raise service_unavailable("model is loading", code="loading")
+            prompt = build_prompt(body)
+            s = self.engine.settings
+            try:
+                max_tokens = effective_max_tokens(
+                    len(prompt),
+                    body.output_limit(),  # type: ignore[attr-defined]
+                    max_input=s.max_input_tokens,
+                    max_output=s.max_output_tokens,
+                    ctx_per_seq=s.ctx_per_seq,
+                )
+            except LengthLimitExceeded as exc:
+                raise bad_request(str(exc), param=exc.param if chat or exc.param != "messages" else "prompt", code="context_length_exceeded") from exc
+            sampling = SamplingParams(
+                temperature=1.0 if body.temperature is None else body.temperature,  # type: ignore[attr-defined]
+                top_p=1.0 if body.top_p is None else body.top_p,  # type: ignore[attr-defined]
+                top_k=0 if not body.top_k or body.top_k < 0 else body.top_k,  # type: ignore[attr-defined]
+                min_p=body.min_p or 0.0,  # type: ignore[attr-defined]
+                seed=body.seed,  # type: ignore[attr-defined]
+                max_tokens=max_tokens,
+                stop=tuple(body.stop_list()),  # type: ignore[attr-defined]
+            )
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+
+            def sink(event: EngineEvent) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+            try:
+                request_id = self.engine.submit(prompt, sampling, sink)
+            except QueueFull as exc:
+                raise too_many_requests(str(exc), exc.retry_after_s) from exc
+        except APIError as err:
+            return error_response(err)
+
+        disconnected = asyncio.ensure_future(_wait_disconnect(request.receive))
+        finished = False
+
+        def close() -> None:
+            disconnected.cancel()
+            if not finished:
+                self.engine.cancel(request_id)
+
+        # Headers wait for the first event, so a request that times out or fails
+        # before its first token still gets its proper status code.
+        first = await _next_event(queue, disconnected)
+        if first is None:
+            close()
+            return Response(status_code=499)
+        if isinstance(first, FinishEvent) and first.state != RequestState.COMPLETED:
+            finished = True
+            close()
+            return error_response(self._finish_error(first))
+        response_id = new_id("chatcmpl" if chat else "cmpl")
+        created = int(time.time())
+        if body.stream:  # type: ignore[attr-defined]
+
+            async def chunks() -> AsyncIterator[bytes]:
+                nonlocal finished
+                render = self._chat_chunk if chat else self._completion_chunk
+                if chat:
+                    yield sse(self._chat_chunk(response_id, created, ChatDelta(role="assistant", content=""), None))
+                event: EngineEvent | None = first
+                while event is not None:
+                    if isinstance(event, TokenEvent):
+                        if event.text:
+                            yield sse(render(response_id, created, event.text, None))
+                    else:
+                        finished = True
+                        if event.state != RequestState.COMPLETED:
+                            yield sse(self._finish_error(event).to_dict())
+                            break
+                        yield sse(render(response_id, created, event.text, event.finish_reason))
+                        if body.include_usage_in_stream():  # type: ignore[attr-defined]
+                            usage = Usage.of(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+                            yield sse(self._usage_chunk(response_id, created, usage, chat))
+                        break
+                    event = await _next_event(queue, disconnected)
+                if finished:
+                    yield SSE_DONE
+
+            return _SSEStream(chunks(), close)  # type: ignore[return-value]
+
+        parts: list[str] = []
+        event = first
+        while not isinstance(event, FinishEvent):
+            if event is None:
+                close()
+                return Response(status_code=499)
+            parts.append(event.text)
+            event = await _next_event(queue, disconnected)
+        finished = True
+        close()
+        if event.state != RequestState.COMPLETED:
+            return error_response(self._finish_error(event))
+        parts.append(event.text)
+        text = "".join(parts)
+        usage = Usage.of(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+        reason = event.finish_reason or "stop"
+        if chat:
+            out: BaseModel = ChatCompletionResponse(
+                id=response_id,
+                created=created,
+                model=self.model_alias,
+                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)],  # type: ignore[arg-type]
+                usage=usage,
+                system_fingerprint=ENGINE_NAME,
+            )
+        else:
+            if body.echo:  # type: ignore[attr-defined]
+                text = self.engine.backend.detokenize(prompt) + text  # type: ignore[union-attr]
+            out = CompletionResponse(
+                id=response_id,
+                created=created,
+                model=self.model_alias,
+                choices=[CompletionChoice(text=text, finish_reason=reason)],  # type: ignore[arg-type]
+                usage=usage,
+                system_fingerprint=ENGINE_NAME,
+            )
+        return Response(out.model_dump_json(exclude_none=True), media_type="application/json")
+
+    def _finish_error(self, event: FinishEvent) -> APIError:
+        if event.state == RequestState.TIMEOUT:
+            return request_timeout(event.message or "the request timed out")
+        return internal_error(event.message or f"the request ended in state {event.state}")
+
+    def _chat_chunk(self, rid: str, created: int, delta: ChatDelta | str, reason: str | None) -> ChatCompletionChunk:
+        if isinstance(delta, str):
+            delta = ChatDelta(content=delta) if delta else ChatDelta()
+        return ChatCompletionChunk(
+            id=rid,
+            created=created,
+            model=self.model_alias,
+            choices=[ChatChunkChoice(delta=delta, finish_reason=reason)],  # type: ignore[arg-type]
+            system_fingerprint=ENGINE_NAME,
+        )
+
+    def _completion_chunk(self, rid: str, created: int, text: str, reason: str | None) -> CompletionResponse:
+        return CompletionResponse(
+            id=rid,
+            created=created,
+            model=self.model_alias,
+            choices=[CompletionChoice(text=text, finish_reason=reason)],  # type: ignore[arg-type]
+            system_fingerprint=ENGINE_NAME,
+        )
+
+    def _usage_chunk(self, rid: str, created: int, usage: Usage, chat: bool) -> BaseModel:
+        if chat:
+            return ChatCompletionChunk(id=rid, created=created, model=self.model_alias, choices=[], usage=usage, system_fingerprint=ENGINE_NAME)
+        return CompletionResponse(id=rid, created=created, model=self.model_alias, choices=[], usage=usage, system_fingerprint=ENGINE_NAME)
+
+
+def build_app(engine: LlamaEngine, *, model_alias: str | None = None, manage_engine: bool = True) -> ASGIApp:
+    """The ASGI app. With `manage_engine`, the app starts the engine on startup and stops it on shutdown."""
+    api = EngineAPI(engine, model_alias=model_alias)
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if manage_engine:
+            engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        kind = "not_found_error" if status == 404 else "invalid_request_error"
+        return error_response(APIError(status, f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'not found')}", type=kind))
+
+    async def crashed(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(internal_error(f"{type(exc).__name__}: {exc}"))
+
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/slots", api.slots, methods=["GET"]),
+        Route("/debug/steps", api.steps, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found, 500: crashed})
+    app.state.api = api
+    return EngineHeader(app)

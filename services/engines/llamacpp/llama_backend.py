@@ -1,0 +1,228 @@
+"""The llama.cpp context, through llama-cpp-python's low-level (ctypes) API.
+
+One `LlamaBackend` owns one model and one context. Only the decode thread may
+call `decode`, `seq_rm` and the samplers; tokenizing and detokenizing only read
+the vocabulary and are safe from any thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as llama
+import numpy as np
+
+from .requests import SamplingParams
+from .scheduler import SeqWork
+
+log = logging.getLogger(__name__)
+
+_backend_init_lock = threading.Lock()
+_backend_initialised = False
+
+
+def _init_llama_backend() -> None:
+    global _backend_initialised
+    with _backend_init_lock:
+        if not _backend_initialised:
+            llama.llama_backend_init()
+            _backend_initialised = True
+
+
+class DecodeError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    model_path: Path
+    n_ctx: int
+    n_seq_max: int
+    n_batch: int = 512
+    threads: int = 2
+
+
+class LlamaBackend:
+    def __init__(self, config: BackendConfig) -> None:
+        _init_llama_backend()
+        self.config = config
+        mparams = llama.llama_model_default_params()
+        self.model = llama.llama_model_load_from_file(str(config.model_path).encode(), mparams)
+        if not self.model:
+            raise FileNotFoundError(f"llama.cpp could not load the model at {config.model_path}")
+        cparams = llama.llama_context_default_params()
+        cparams.n_ctx = config.n_ctx
+        cparams.n_batch = config.n_batch
+        cparams.n_ubatch = config.n_batch
+        cparams.n_seq_max = config.n_seq_max
+        cparams.n_threads = config.threads
+        cparams.n_threads_batch = config.threads
+        # One KV stream per sequence: attention of a sequence only visits its own cells.
+        cparams.kv_unified = False
+        cparams.no_perf = True
+        self.ctx = llama.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            llama.llama_model_free(self.model)
+            raise RuntimeError("llama.cpp could not create a context (n_ctx / n_seq_max too large?)")
+        self.vocab = llama.llama_model_get_vocab(self.model)
+        self.memory = llama.llama_get_memory(self.ctx)
+        self.n_vocab = llama.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx = llama.llama_n_ctx(self.ctx)
+        self.n_ctx_seq = self.n_ctx // config.n_seq_max
+        self.add_bos = bool(llama.llama_vocab_get_add_bos(self.vocab))
+        self._batch = llama.llama_batch_init(config.n_batch, 0, config.n_seq_max)
+        self._tok = np.ctypeslib.as_array(self._batch.token, shape=(config.n_batch,))
+        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(config.n_batch,))
+        self._nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(config.n_batch,))
+        self._logits = np.ctypeslib.as_array(self._batch.logits, shape=(config.n_batch,))
+        self._seq_slots = [self._batch.seq_id[i] for i in range(config.n_batch)]
+        self._pieces: dict[int, bytes] = {}
+        self._closed = False
+
+    # -- model facts -----------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(64 * 1024)
+        n = llama.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def chat_template(self) -> str | None:
+        raw = llama.llama_model_chat_template(self.model, None)
+        return raw.decode("utf-8") if raw else None
+
+    def token_text(self, token: int) -> str:
+        return self.piece(token, special=True).decode("utf-8", "replace")
+
+    @property
+    def bos(self) -> int:
+        return llama.llama_vocab_bos(self.vocab)
+
+    @property
+    def eos(self) -> int:
+        return llama.llama_vocab_eos(self.vocab)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes over all layers (f16 cache)."""
+        n_layer = llama.llama_model_n_layer(self.model)
+        n_embd = llama.llama_model_n_embd(self.model)
+        n_head = max(1, llama.llama_model_n_head(self.model))
+        n_head_kv = llama.llama_model_n_head_kv(self.model)
+        return n_layer * 2 * (n_embd // n_head) * n_head_kv * 2
+
+    # -- text ------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buf = (llama.llama_token * capacity)()
+        n = llama.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (llama.llama_token * capacity)()
+            n = llama.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        cached = self._pieces.get(token) if not special else None
+        if cached is not None:
+            return cached
+        buf = ctypes.create_string_buffer(64)
+        n = llama.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        out = buf.raw[:n]
+        if not special:
+            self._pieces[token] = out
+        return out
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama.llama_vocab_is_eog(self.vocab, token))
+
+    # -- decoding (decode thread only) -------------------------------------------
+    def seq_rm(self, seq_id: int, from_pos: int = 0) -> None:
+        if not llama.llama_memory_seq_rm(self.memory, seq_id, from_pos if from_pos > 0 else -1, -1):
+            # A partial removal can fail on recurrent models; dropping the whole sequence never does.
+            llama.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+            raise DecodeError(f"could not trim sequence {seq_id} to {from_pos} tokens")
+
+    def decode(self, work: Sequence[SeqWork]) -> list[int]:
+        """One llama_decode call carrying every sequence's tokens.
+
+        Returns, per work item, the batch index whose logits belong to its last
+        token (-1 when it asked for none).
+        """
+        n = 0
+        out_index: list[int] = []
+        for item in work:
+            k = len(item.tokens)
+            if n + k > self.config.n_batch:
+                raise DecodeError(f"batch of {n + k} tokens exceeds n_batch {self.config.n_batch}")
+            self._tok[n : n + k] = item.tokens
+            self._pos[n : n + k] = np.arange(item.pos0, item.pos0 + k, dtype=np.int32)
+            self._nseq[n : n + k] = 1
+            self._logits[n : n + k] = 0
+            slots = self._seq_slots
+            for i in range(n, n + k):
+                slots[i][0] = item.seq_id
+            if item.wants_logits:
+                self._logits[n + k - 1] = 1
+                out_index.append(n + k - 1)
+            else:
+                out_index.append(-1)
+            n += k
+        self._batch.n_tokens = n
+        rc = llama.llama_decode(self.ctx, self._batch)
+        if rc != 0:
+            raise DecodeError(f"llama_decode returned {rc} for a batch of {n} tokens")
+        return out_index
+
+    def logits(self, batch_index: int) -> np.ndarray:
+        """A copy of the logits row of one batch position of the last decode."""
+        ptr = llama.llama_get_logits_ith(self.ctx, batch_index)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def new_sampler(self, params: SamplingParams) -> "Sampler":
+        return Sampler(self, params)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        llama.llama_batch_free(self._batch)
+        llama.llama_free(self.ctx)
+        llama.llama_model_free(self.model)
+
+
+class Sampler:
+    """A per-sequence llama.cpp sampler chain (top-k, top-p, min-p, temperature, seeded draw)."""
+
+    def __init__(self, backend: LlamaBackend, params: SamplingParams) -> None:
+        self._backend = backend
+        self.chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
+        if params.greedy:
+            llama.llama_sampler_chain_add(self.chain, llama.llama_sampler_init_greedy())
+            return
+        if params.top_k > 0:
+            llama.llama_sampler_chain_add(self.chain, llama.llama_sampler_init_top_k(params.top_k))
+        if params.top_p < 1.0:
+            llama.llama_sampler_chain_add(self.chain, llama.llama_sampler_init_top_p(params.top_p, 1))
+        if params.min_p > 0.0:
+            llama.llama_sampler_chain_add(self.chain, llama.llama_sampler_init_min_p(params.min_p, 1))
+        llama.llama_sampler_chain_add(self.chain, llama.llama_sampler_init_temp(params.temperature))
+        seed = params.seed if params.seed is not None else llama.LLAMA_DEFAULT_SEED
+        llama.llama_sampler_chain_add(self.chain, llama.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+
+    def sample(self, batch_index: int) -> int:
+        return int(llama.llama_sampler_sample(self.chain, self._backend.ctx, batch_index))
+
+    def free(self) -> None:
+        if self.chain:
+            llama.llama_sampler_free(self.chain)
+            self.chain = None

@@ -1,0 +1,100 @@
+"""Engine metrics and their Prometheus text rendering.
+
+Names follow llama.cpp's own server (`llamacpp:` prefix) where it has the
+metric, so dashboards written for it keep working.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
+
+
+@dataclass
+class Histogram:
+    buckets: Sequence[float]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def quantile(self, q: float) -> float:
+        """Upper bucket bound holding the q-quantile (inf past the last bucket)."""
+        if self.n == 0:
+            return 0.0
+        rank, seen = q * self.n, 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen >= rank:
+                return self.buckets[i] if i < len(self.buckets) else float("inf")
+        return float("inf")
+
+
+@dataclass
+class EngineMetrics:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    reused_tokens: int = 0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    rejected_429: int = 0
+    timeouts_408: int = 0
+    failures_500: int = 0
+    cancelled: int = 0
+    completed: int = 0
+    ttft_s: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
+    itl_s: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS_S))
+
+
+def render_prometheus(
+    m: EngineMetrics, *, running: int, waiting: int, kv_usage_ratio: float, kv_tokens: int, labels: dict[str, str]
+) -> str:
+    lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, value: float) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.append(f"{name}{{{lab}}} {value:g}")
+
+    def histogram(name: str, help_: str, h: Histogram) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} histogram")
+        cumulative = 0
+        for bound, count in zip([*h.buckets, float("inf")], h.counts):
+            cumulative += count
+            le = "+Inf" if bound == float("inf") else f"{bound:g}"
+            lines.append(f'{name}_bucket{{{lab},le="{le}"}} {cumulative}')
+        lines.append(f"{name}_sum{{{lab}}} {h.total:g}")
+        lines.append(f"{name}_count{{{lab}}} {h.n}")
+
+    gauge: Callable[[str, str, float], None] = lambda n, h, v: metric(n, "gauge", h, v)  # noqa: E731
+    counter: Callable[[str, str, float], None] = lambda n, h, v: metric(n, "counter", h, v)  # noqa: E731
+    gauge("llamacpp:requests_processing", "Requests holding a sequence id and decoding.", running)
+    gauge("llamacpp:requests_deferred", "Requests waiting: queued or pending a sequence id.", waiting)
+    gauge("llamacpp:kv_cache_usage_ratio", "KV cache entries over the manager's capacity.", kv_usage_ratio)
+    gauge("llamacpp:kv_cache_tokens", "Tokens held in the KV cache (running and parked).", kv_tokens)
+    counter("llamacpp:prompt_tokens_total", "Prompt tokens received.", m.prompt_tokens)
+    counter("llamacpp:tokens_predicted_total", "Tokens generated.", m.generated_tokens)
+    counter("llamacpp:prompt_tokens_reused_total", "Prompt tokens served from a cached prefix.", m.reused_tokens)
+    counter("llamacpp:decode_steps_total", "llama_decode calls.", m.decode_steps)
+    counter("llamacpp:decode_seconds_total", "Time spent in llama_decode.", m.decode_seconds)
+    counter("llamacpp:requests_completed_total", "Requests completed.", m.completed)
+    counter("llamacpp:requests_rejected_total", "Requests refused with 429 (queue full).", m.rejected_429)
+    counter("llamacpp:requests_timeout_total", "Requests answered 408 (timeout).", m.timeouts_408)
+    counter("llamacpp:requests_failed_total", "Requests answered 500 (engine failure).", m.failures_500)
+    counter("llamacpp:requests_cancelled_total", "Requests cancelled by a client disconnect.", m.cancelled)
+    histogram("llamacpp:time_to_first_token_seconds", "Time to first token.", m.ttft_s)
+    histogram("llamacpp:inter_token_latency_seconds", "Time between consecutive tokens.", m.itl_s)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,327 @@
+"""Request management of seed 003, as a pure state machine (no threads, no llama.cpp, no clock).
+
+RequestQueue (bounded) -> running set (bounded, PENDING) -> batch (PROCESSING,
+holding a sequence id) -> COMPLETED / TIMEOUT / FAILED / CANCELLED. Every call
+takes `now`; every effect on llama.cpp is returned as data (`StepPlan.clears`,
+`StepPlan.work`) for the decode thread to carry out. The engine serialises
+calls with one lock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .kv_cache import KVCacheManager, KVEntry
+from .requests import GenerationRequest, RequestState, Tracked
+from .seq_ids import SequenceIdPool
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_queue: int = 256
+    max_running: int = 8
+    max_batch_size: int = 8
+    batch_tokens: int = 512
+    request_timeout_s: float = 60.0
+    prefix_cache: bool = True
+
+
+class QueueFull(Exception):
+    def __init__(self, queued: int, retry_after_s: float) -> None:
+        super().__init__(f"the request queue is full ({queued} requests waiting); retry later")
+        self.queued = queued
+        self.retry_after_s = retry_after_s
+
+
+class LengthLimitExceeded(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def effective_max_tokens(
+    prompt_tokens: int, requested: int | None, *, max_input: int, max_output: int, ctx_per_seq: int
+) -> int:
+    """The output budget of a request, or LengthLimitExceeded naming the limit and the excess.
+
+    A request that cannot fit is refused, never truncated.
+    """
+    if prompt_tokens < 1:
+        raise LengthLimitExceeded("the prompt is empty", "prompt")
+    if prompt_tokens > max_input:
+        raise LengthLimitExceeded(
+            f"the prompt has {prompt_tokens} tokens, {prompt_tokens - max_input} over the input limit "
+            f"of {max_input} tokens",
+            "messages",
+        )
+    if prompt_tokens >= ctx_per_seq:
+        raise LengthLimitExceeded(
+            f"the prompt has {prompt_tokens} tokens and leaves no room in the per-sequence context of "
+            f"{ctx_per_seq} tokens (over by {prompt_tokens - ctx_per_seq + 1})",
+            "messages",
+        )
+    room = ctx_per_seq - prompt_tokens
+    if requested is None:
+        return min(max_output, room)
+    if requested > max_output:
+        raise LengthLimitExceeded(
+            f"max_tokens is {requested}, {requested - max_output} over the output limit of {max_output} tokens",
+            "max_tokens",
+        )
+    if requested > room:
+        raise LengthLimitExceeded(
+            f"this model's context per sequence is {ctx_per_seq} tokens, but {prompt_tokens + requested} were "
+            f"requested ({prompt_tokens} in the prompt, {requested} for the completion): "
+            f"over by {prompt_tokens + requested - ctx_per_seq}",
+            "max_tokens",
+        )
+    return requested
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """The tokens one sequence contributes to a decode step."""
+
+    request_id: int
+    seq_id: int
+    tokens: list[int]
+    pos0: int
+    wants_logits: bool
+    """True when the last token's logits are sampled (the prompt is complete, or a decode token)."""
+    kind: str  # "prefill" | "decode"
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    clears: list[tuple[int, int]] = field(default_factory=list)
+    """(seq_id, from_pos): drop cached positions >= from_pos before decoding (0 = whole sequence)."""
+    work: list[SeqWork] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(w.tokens) for w in self.work)
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, seq_ids: SequenceIdPool, kv: KVCacheManager) -> None:
+        self.limits = limits
+        self.seq_ids = seq_ids
+        self.kv = kv
+        self.queue: deque[Tracked] = deque()
+        self.running: dict[int, Tracked] = {}  # insertion order = admission order
+        self._clears: list[tuple[int, int]] = []
+        self._step_id = 0
+        self._mean_service_s = 1.0
+        self.counts: dict[str, int] = {"rejected_queue_full": 0}
+        for state in RequestState:
+            if state.terminal:
+                self.counts[state.value] = 0
+
+    # -- intake ------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> Tracked:
+        if len(self.queue) >= self.limits.max_queue:
+            self.counts["rejected_queue_full"] += 1
+            raise QueueFull(len(self.queue), self.retry_after_s())
+        tracked = Tracked(request)
+        self.queue.append(tracked)
+        return tracked
+
+    def retry_after_s(self) -> float:
+        """How long until the queue has drained by one batch, from recent service times."""
+        width = max(1, min(self.limits.max_batch_size, self.seq_ids.n_seq_max))
+        return max(1.0, math.ceil(len(self.queue) / width) * self._mean_service_s)
+
+    # -- leaving -----------------------------------------------------------
+    def cancel(self, request_id: int, now: float) -> Tracked | None:
+        """The client went away: free everything the request holds."""
+        for tracked in self.queue:
+            if tracked.request_id == request_id:
+                self.queue.remove(tracked)
+                tracked.state = RequestState.CANCELLED
+                self.counts[RequestState.CANCELLED.value] += 1
+                return tracked
+        if request_id in self.running:
+            return self.finish(request_id, RequestState.CANCELLED, now)
+        return None
+
+    def expire(self, now: float) -> list[Tracked]:
+        """Timeout scan: every request older than the timeout, queued or running, becomes TIMEOUT.
+
+        Seed 003 scans PROCESSING requests only; a queued request's client waits
+        just as long, so the scan covers the queue and the running set, measured
+        from arrival.
+        """
+        deadline = now - self.limits.request_timeout_s
+        expired: list[Tracked] = []
+        for tracked in [t for t in self.queue if t.request.arrived_at <= deadline]:
+            self.queue.remove(tracked)
+            tracked.state = RequestState.TIMEOUT
+            self.counts[RequestState.TIMEOUT.value] += 1
+            expired.append(tracked)
+        for request_id in [rid for rid, t in self.running.items() if t.request.arrived_at <= deadline]:
+            expired.append(self.finish(request_id, RequestState.TIMEOUT, now))
+        return expired
+
+    def finish(self, request_id: int, state: RequestState, now: float) -> Tracked:
+        """Leave the running set in a terminal state, releasing the sequence id and KV.
+
+        A COMPLETED request's KV stays parked for reuse (when the prefix cache is
+        on); any other end clears it, as seed 003 prescribes.
+        """
+        if not state.terminal:
+            raise ValueError(f"{state} is not a terminal state")
+        tracked = self.running.pop(request_id)
+        tracked.state = state
+        self.counts[state.value] += 1
+        seq_id = self.seq_ids.release(request_id)
+        if seq_id is not None:
+            if state == RequestState.COMPLETED and self.limits.prefix_cache and tracked.request_id in self.kv:
+                self.kv.set_state(request_id, RequestState.COMPLETED, now)
+            else:
+                self.kv.drop(request_id)
+                self._clears.append((seq_id, 0))
+        if state == RequestState.COMPLETED and tracked.running_since is not None:
+            self._mean_service_s = 0.8 * self._mean_service_s + 0.2 * max(0.0, now - tracked.running_since)
+        return tracked
+
+    # -- the step ----------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        """Admit, activate and form the next batch."""
+        self._admit(now)
+        self._activate(now)
+        plan = StepPlan(step_id=self._step_id, clears=self._clears)
+        self._clears = []
+        budget = self.limits.batch_tokens
+        processing = [t for t in self.running.values() if t.state == RequestState.PROCESSING]
+        # Decode tokens first: one per generating sequence keeps every stream moving.
+        for tracked in processing:
+            if tracked.prefill_done and tracked.generated and budget > 0:
+                entry = self.kv.get(tracked.request_id)
+                assert entry is not None and tracked.seq_id is not None
+                plan.work.append(
+                    SeqWork(tracked.request_id, tracked.seq_id, [tracked.generated[-1]], len(entry.tokens), True, "decode")
+                )
+                budget -= 1
+        # New prompts join the same batch, chunked within what is left of the token budget.
+        for tracked in processing:
+            if budget <= 0:
+                break
+            if tracked.prefill_done:
+                continue
+            prompt = tracked.request.prompt_tokens
+            chunk = prompt[tracked.n_prefilled : tracked.n_prefilled + budget]
+            completes = tracked.n_prefilled + len(chunk) == len(prompt)
+            assert tracked.seq_id is not None
+            plan.work.append(SeqWork(tracked.request_id, tracked.seq_id, chunk, tracked.n_prefilled, completes, "prefill"))
+            budget -= len(chunk)
+        if plan.work:
+            self._step_id += 1
+        return plan
+
+    def record_decoded(self, work: SeqWork, now: float) -> bool:
+        """The step carrying `work` ran; False if the request left meanwhile (its result is void)."""
+        tracked = self.running.get(work.request_id)
+        if tracked is None or tracked.seq_id != work.seq_id:
+            return False
+        self.kv.append(work.request_id, work.tokens, now)
+        if work.kind == "prefill":
+            tracked.n_prefilled += len(work.tokens)
+        return True
+
+    def add_generated(self, request_id: int, token: int) -> Tracked:
+        tracked = self.running[request_id]
+        tracked.generated.append(token)
+        return tracked
+
+    def cleanup_kv(self) -> list[KVEntry]:
+        """Periodic KV cleanup: LRU-evict parked entries above the eviction threshold."""
+        evicted = self.kv.evict_over_threshold()
+        self._clears.extend((e.seq_id, 0) for e in evicted)
+        return evicted
+
+    # -- internals ---------------------------------------------------------
+    def _admit(self, now: float) -> None:
+        while self.queue and len(self.running) < self.limits.max_running:
+            tracked = self.queue.popleft()
+            tracked.state = RequestState.PENDING
+            tracked.running_since = now
+            self.running[tracked.request_id] = tracked
+
+    def _activate(self, now: float) -> None:
+        width = self.limits.max_batch_size
+        n_processing = sum(1 for t in self.running.values() if t.state == RequestState.PROCESSING)
+        for tracked in self.running.values():
+            if n_processing >= width:
+                return
+            if tracked.state != RequestState.PENDING:
+                continue
+            if not self._bind(tracked, now):
+                return  # no sequence id free: stay PENDING
+            tracked.state = RequestState.PROCESSING
+            n_processing += 1
+
+    def _bind(self, tracked: Tracked, now: float) -> bool:
+        """Give a PENDING request a sequence id, reusing a parked prefix when one matches."""
+        free = self.seq_ids.free_ids()
+        if not free:
+            return False
+        prompt = tracked.request.prompt_tokens
+        rid = tracked.request_id
+        if self.limits.prefix_cache:
+            entry, common = self.kv.best_prefix(prompt, free)
+            # At least one prompt token must be decoded to get logits for the first sample.
+            keep = min(common, len(prompt) - 1)
+            if entry is not None and keep > 0:
+                seq_id = self.seq_ids.acquire(rid, prefer=entry.seq_id)
+                assert seq_id == entry.seq_id
+                self.kv.take_over(entry.request_id, rid, keep, now)
+                self._clears.append((seq_id, keep))
+                tracked.seq_id, tracked.cached_tokens, tracked.n_prefilled = seq_id, keep, keep
+                return True
+        # No reusable prefix: an empty id if any, else the least recently used parked one.
+        empty = [s for s in free if self.kv.parked_on(s) is None]
+        if empty:
+            seq_id = empty[0]
+        else:
+            victim = min((self.kv.parked_on(s) for s in free), key=lambda e: e.last_used)  # type: ignore[union-attr]
+            assert victim is not None
+            self.kv.drop(victim.request_id)
+            self.kv.evictions += 1
+            seq_id = victim.seq_id
+            self._clears.append((seq_id, 0))
+        got = self.seq_ids.acquire(rid, prefer=seq_id)
+        assert got == seq_id
+        self.kv.open(rid, seq_id, now)
+        tracked.seq_id = seq_id
+        return True
+
+    def snapshot_slots(self) -> list[dict[str, object]]:
+        slots: list[dict[str, object]] = []
+        for seq_id in range(self.seq_ids.n_seq_max):
+            owner = self.seq_ids.owner(seq_id)
+            entry = self.kv.get(owner) if owner is not None else self.kv.parked_on(seq_id)
+            slots.append(
+                {
+                    "id": seq_id,
+                    "state": "busy" if owner is not None else "free",
+                    "request_id": owner,
+                    "n_tokens": len(entry.tokens) if entry is not None else 0,
+                    "cached_request_id": entry.request_id if (entry is not None and owner is None) else None,
+                }
+            )
+        return slots
+
+    def waiting(self) -> int:
+        """Requests not yet decoding: queued, plus PENDING in the running set."""
+        return len(self.queue) + sum(1 for t in self.running.values() if t.state == RequestState.PENDING)
+
+    def processing(self) -> int:
+        return sum(1 for t in self.running.values() if t.state == RequestState.PROCESSING)
+
+    def iter_active(self) -> Iterable[Tracked]:
+        yield from self.queue
+        yield from self.running.values()

@@ -1,0 +1,191 @@
+"""Seed 003's request management, decided without llama.cpp or HTTP."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engines.llamacpp.kv_cache import KVCacheManager, KVLimits
+from services.engines.llamacpp.requests import GenerationRequest, RequestState, SamplingParams
+from services.engines.llamacpp.scheduler import (
+    LengthLimitExceeded,
+    QueueFull,
+    Scheduler,
+    SchedulerLimits,
+    effective_max_tokens,
+)
+from services.engines.llamacpp.seq_ids import SequenceIdPool
+
+
+def make(n_seq: int = 2, **limits: object) -> Scheduler:
+    base = dict(max_queue=4, max_running=3, max_batch_size=2, batch_tokens=16, request_timeout_s=10.0)
+    base.update(limits)
+    return Scheduler(SchedulerLimits(**base), SequenceIdPool(n_seq), KVCacheManager(KVLimits(max_items=1000)))  # type: ignore[arg-type]
+
+
+def req(rid: int, prompt: list[int] | None = None, at: float = 0.0) -> GenerationRequest:
+    return GenerationRequest(rid, prompt or [1, 2, 3], SamplingParams(max_tokens=4), lambda e: None, at)
+
+
+def test_queue_bound_rejects_and_reports_retry_after() -> None:
+    s = make()
+    for i in range(4):
+        s.submit(req(i))
+    with pytest.raises(QueueFull) as exc:
+        s.submit(req(99))
+    assert exc.value.retry_after_s >= 1
+    assert s.counts["rejected_queue_full"] == 1
+    assert len(s.queue) == 4
+
+
+def test_running_set_batch_and_seq_ids_bound_processing() -> None:
+    s = make(n_seq=2)
+    for i in range(4):
+        s.submit(req(i))
+    plan = s.schedule(now=1.0)
+    states = {rid: t.state for rid, t in s.running.items()}
+    assert states == {0: RequestState.PROCESSING, 1: RequestState.PROCESSING, 2: RequestState.PENDING}
+    assert [t.request_id for t in s.queue] == [3]
+    assert sorted(w.seq_id for w in plan.work) == [0, 1]
+    assert all(w.kind == "prefill" and w.wants_logits for w in plan.work)
+
+
+def test_pending_request_gets_freed_seq_id_and_prefill_joins_running_decodes() -> None:
+    s = make(n_seq=2)
+    for i in range(3):
+        s.submit(req(i))
+    plan = s.schedule(1.0)
+    for w in plan.work:
+        s.record_decoded(w, 1.0)
+        s.add_generated(w.request_id, 7)
+    s.finish(0, RequestState.COMPLETED, 2.0)
+    plan = s.schedule(2.0)
+    kinds = {(w.request_id, w.kind) for w in plan.work}
+    # request 1 keeps decoding while request 2's prompt joins the same step
+    assert kinds == {(1, "decode"), (2, "prefill")}
+    assert s.running[2].seq_id == 0
+
+
+def test_prompt_chunks_respect_token_budget_and_decodes_go_first() -> None:
+    s = make(n_seq=2, batch_tokens=8)
+    s.submit(req(0, [1, 2]))
+    plan = s.schedule(0.0)
+    s.record_decoded(plan.work[0], 0.0)
+    s.add_generated(0, 5)
+    s.submit(req(1, list(range(100, 120))))
+    plan = s.schedule(0.1)
+    assert [(w.request_id, len(w.tokens), w.wants_logits) for w in plan.work] == [(0, 1, True), (1, 7, False)]
+    s.record_decoded(plan.work[1], 0.1)
+    plan = s.schedule(0.2)
+    chunk = next(w for w in plan.work if w.request_id == 1)
+    assert chunk.pos0 == 7 and chunk.tokens == list(range(107, 114))
+
+
+def test_timeout_frees_seq_id_and_clears_its_kv() -> None:
+    s = make(n_seq=1, request_timeout_s=5.0)
+    s.submit(req(0, at=0.0))
+    s.submit(req(1, at=3.0))
+    s.schedule(1.0)
+    assert s.seq_ids.seq_of(0) == 0
+    expired = s.expire(now=5.5)
+    assert [t.request_id for t in expired] == [0]
+    assert expired[0].state == RequestState.TIMEOUT
+    assert s.seq_ids.free_ids() == [0] and 0 not in s.kv
+    plan = s.schedule(5.6)
+    assert (0, 0) in plan.clears  # the decode thread wipes the sequence before reuse
+    assert s.running[1].seq_id == 0
+
+
+def test_queued_requests_time_out_too() -> None:
+    s = make(max_running=1, n_seq=1, request_timeout_s=5.0)
+    s.submit(req(0, at=0.0))
+    s.submit(req(1, at=0.0))
+    s.schedule(0.0)
+    assert {t.request_id for t in s.expire(6.0)} == {0, 1}
+    assert not s.queue and not s.running
+
+
+def test_cancel_releases_everything_wherever_the_request_is() -> None:
+    s = make(n_seq=1, max_running=2)
+    for i in range(3):
+        s.submit(req(i))
+    s.schedule(0.0)  # 0 PROCESSING, 1 PENDING, 2 QUEUED
+    assert s.cancel(2, 0.1).state == RequestState.CANCELLED  # type: ignore[union-attr]
+    assert s.cancel(1, 0.1).state == RequestState.CANCELLED  # type: ignore[union-attr]
+    assert s.cancel(0, 0.1).state == RequestState.CANCELLED  # type: ignore[union-attr]
+    assert s.cancel(0, 0.1) is None
+    assert s.seq_ids.free_ids() == [0] and s.kv.used_items == 0
+
+
+def test_void_results_of_a_request_that_left_during_the_step() -> None:
+    s = make(n_seq=1)
+    s.submit(req(0))
+    plan = s.schedule(0.0)
+    s.cancel(0, 0.0)
+    assert s.record_decoded(plan.work[0], 0.1) is False
+
+
+def test_completed_kv_is_parked_and_reused_by_the_next_turn() -> None:
+    s = make(n_seq=2)
+    s.submit(req(0, [1, 2, 3, 4]))
+    plan = s.schedule(0.0)
+    s.record_decoded(plan.work[0], 0.0)
+    s.add_generated(0, 9)
+    plan = s.schedule(0.1)
+    s.record_decoded(plan.work[0], 0.1)
+    s.finish(0, RequestState.COMPLETED, 0.2)
+    entry = s.kv.get(0)
+    assert entry is not None and entry.state == RequestState.COMPLETED and entry.tokens == [1, 2, 3, 4, 9]
+    s.submit(req(1, [1, 2, 3, 4, 9, 10, 11]))
+    plan = s.schedule(0.3)
+    t = s.running[1]
+    assert t.cached_tokens == 5 and t.seq_id == entry.seq_id
+    assert plan.work[0].pos0 == 5 and plan.work[0].tokens == [10, 11]
+    assert (entry.seq_id, 5) in plan.clears
+
+
+def test_identical_prompt_keeps_one_token_to_decode() -> None:
+    s = make(n_seq=1)
+    s.submit(req(0, [1, 2, 3]))
+    plan = s.schedule(0.0)
+    s.record_decoded(plan.work[0], 0.0)
+    s.finish(0, RequestState.COMPLETED, 0.1)
+    s.submit(req(1, [1, 2, 3]))
+    plan = s.schedule(0.2)
+    assert s.running[1].cached_tokens == 2 and plan.work[0].tokens == [3]
+
+
+def test_failed_request_kv_is_not_parked() -> None:
+    s = make(n_seq=1)
+    s.submit(req(0))
+    plan = s.schedule(0.0)
+    s.record_decoded(plan.work[0], 0.0)
+    s.finish(0, RequestState.FAILED, 0.1)
+    assert 0 not in s.kv and s.kv.used_items == 0
+
+
+def test_no_free_seq_id_keeps_request_pending_then_lru_parked_seq_is_reused() -> None:
+    s = make(n_seq=2, max_running=3, max_batch_size=2)
+    for i, prompt in enumerate([[1, 1], [2, 2]]):
+        s.submit(req(i, prompt))
+    plan = s.schedule(0.0)
+    for w in plan.work:
+        s.record_decoded(w, 0.0)
+    s.finish(0, RequestState.COMPLETED, 1.0)
+    s.finish(1, RequestState.COMPLETED, 2.0)
+    s.submit(req(2, [3, 3]))
+    s.schedule(3.0)
+    # no prefix matches: the least recently used parked entry (request 0) is evicted
+    assert s.running[2].seq_id == 0 and 0 not in s.kv and 1 in s.kv
+
+
+def test_effective_max_tokens_names_the_limit_and_the_excess() -> None:
+    kw = dict(max_input=100, max_output=50, ctx_per_seq=120)
+    assert effective_max_tokens(10, None, **kw) == 50
+    assert effective_max_tokens(90, None, **kw) == 30
+    with pytest.raises(LengthLimitExceeded, match="101 tokens, 1 over the input limit of 100"):
+        effective_max_tokens(101, 1, **kw)
+    with pytest.raises(LengthLimitExceeded, match="over the output limit of 50") as exc:
+        effective_max_tokens(10, 60, **kw)
+    assert exc.value.param == "max_tokens"
+    with pytest.raises(LengthLimitExceeded, match="over by 10"):
+        effective_max_tokens(90, 40, **kw)
