@@ -113,7 +113,7 @@ def spawn(
     )
 
 
-def _children_of(pid: int) -> list[int]:
+def descendants_of(pid: int) -> list[int]:
     """Every live descendant of `pid`, found by walking /proc parent links."""
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -135,7 +135,7 @@ def _children_of(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -161,7 +161,7 @@ def stop_process(proc: subprocess.Popen[bytes], *, first_signal: int, grace_s: f
     """
     if proc.poll() is not None:
         return
-    descendants = _children_of(proc.pid)
+    descendants = descendants_of(proc.pid)
     _kill_quietly(proc.pid, first_signal)
     try:
         proc.wait(timeout=grace_s)
@@ -174,10 +174,10 @@ def stop_process(proc: subprocess.Popen[bytes], *, first_signal: int, grace_s: f
         _kill_quietly(proc.pid, signal.SIGKILL)
         proc.wait()
     deadline = time.monotonic() + 5.0
-    while any(_alive(pid) for pid in descendants) and time.monotonic() < deadline:
+    while any(is_alive(pid) for pid in descendants) and time.monotonic() < deadline:
         time.sleep(0.05)
     for pid in descendants:
-        if _alive(pid):
+        if is_alive(pid):
             _kill_quietly(pid, signal.SIGKILL)
 
 
@@ -569,7 +569,7 @@ class EmbeddedPostgres(_EmbeddedServer):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             cmdline = []
-        if _alive(pid) and cmdline and cmdline[0].endswith(b"postgres"):
+        if is_alive(pid) and cmdline and cmdline[0].endswith(b"postgres"):
             raise EmbeddedServerError(f"a PostgreSQL server (pid {pid}) is already running on {self.pgdata}; stop it or use another data directory")
         # A container restart can hand the recorded pid to an unrelated process,
         # which Postgres would take for a live server and refuse to start.

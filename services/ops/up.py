@@ -1,0 +1,398 @@
+"""`modelpool up`: the whole local cluster in one command.
+
+Uses the NATS and Postgres servers named by `NATS_URL` / `DATABASE_URL`, or
+starts embedded ones under the data directory; applies the migrations; starts
+every service as a child process with its output prefixed by its name; and on
+Ctrl-C or SIGTERM stops the services (SIGTERM, then SIGKILL after the stop
+timeout), then the embedded servers, and exits 0 with nothing left running.
+If a service dies on its own, the rest is stopped and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Iterator, TextIO
+
+from services.ops.embedded import (
+    LOCALHOST,
+    EmbeddedNats,
+    EmbeddedPostgres,
+    EmbeddedServerError,
+    descendants_of,
+    is_alive,
+    spawn,
+)
+
+# Start order: the relay first so no committed event waits for a bus
+# publisher; the gateway last so it opens its port onto a ready pool.
+SERVICES: tuple[str, ...] = ("relay", "placement", "autoscaler", "worker", "gateway")
+
+# Every process `up` starts, and everything those start, inherits this
+# variable; the final sweep finds stragglers by it, whatever session they are in.
+RUN_MARKER = "MODELPOOL_UP_RUN"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    env = os.environ
+    parser = argparse.ArgumentParser(
+        prog="modelpool up",
+        description="Start the local modelpool cluster: NATS JetStream, Postgres, migrations and every service.",
+        epilog="NATS_URL and DATABASE_URL, when set, name external servers to use instead of the embedded ones.",
+    )
+    parser.add_argument("--data-dir", type=Path, default=Path(env.get("MODELPOOL_DATA_DIR", ".modelpool")),
+                        help="where the embedded servers keep their data between runs (default: .modelpool)")
+    parser.add_argument("--gateway-port", type=int, default=int(env.get("MODELPOOL_GATEWAY_PORT", "8000")),
+                        help="the gateway's HTTP port (default: 8000)")
+    parser.add_argument("--nats-port", type=int, default=0, help="port for the embedded NATS server (default: any free port)")
+    parser.add_argument("--postgres-port", type=int, default=0, help="port for the embedded Postgres (default: any free port)")
+    parser.add_argument("--config", type=Path, default=None, help="alias configuration file (sets MODELPOOL_CONFIG)")
+    parser.add_argument("--namespace", default=None, help="bus and schema namespace (sets MODELPOOL_NAMESPACE)")
+    parser.add_argument("--services", default=",".join(SERVICES),
+                        help=f"comma-separated services to start (default: {','.join(SERVICES)})")
+    parser.add_argument("--stop-timeout", type=float, default=10.0,
+                        help="seconds services get to exit after SIGTERM before SIGKILL (default: 10)")  # fmt: skip
+    args = parser.parse_args(argv)
+    names = [name.strip() for name in args.services.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(SERVICES))
+    if unknown or not names:
+        parser.error(f"--services: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(SERVICES)}")
+    args.services = names
+    if not 0 < args.gateway_port < 65536:
+        parser.error(f"--gateway-port: {args.gateway_port} is not a TCP port")
+    return args
+
+
+# ---------------------------------------------------------------------------
+# signals
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM arrived while the cluster was still starting."""
+
+
+class ShutdownRequest:
+    """Turns SIGINT/SIGTERM into an orderly stop.
+
+    While starting, a signal raises `Interrupted` so a slow step (initdb,
+    migrations) is abandoned and unwound; once running, it only sets `event`,
+    so the stop sequence itself is never cut short by a second Ctrl-C.
+    """
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.starting = True
+        self.signal_name = ""
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        first = not self.event.is_set()
+        self.event.set()
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+        if self.starting and first:
+            self.starting = False
+            raise Interrupted()
+
+
+# ---------------------------------------------------------------------------
+# children
+
+
+class Output:
+    """Serialised, prefixed writing of many children's lines to one stream."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.lock = threading.Lock()
+
+    def line(self, prefix: str, text: str) -> None:
+        with self.lock:
+            try:
+                self.stream.write(f"[{prefix}] {text}\n")
+                self.stream.flush()
+            except (OSError, ValueError):  # the terminal went away; keep running
+                pass
+
+    def forward(self, prefix: str, pipe: IO[bytes]) -> threading.Thread:
+        def pump() -> None:
+            with pipe:
+                for raw in iter(pipe.readline, b""):
+                    self.line(prefix, raw.decode("utf-8", "replace").rstrip("\r\n"))
+
+        thread = threading.Thread(target=pump, name=f"output-{prefix}", daemon=True)
+        thread.start()
+        return thread
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    pump: threading.Thread
+    descendants: set[int] = field(default_factory=set)
+
+
+class Children:
+    """The service processes: started in their own sessions, stopped together."""
+
+    def __init__(self, output: Output, stop_timeout_s: float) -> None:
+        self.output = output
+        self.stop_timeout_s = stop_timeout_s
+        self.running: list[Child] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
+        proc = spawn(argv, output=subprocess.PIPE, death_signal=signal.SIGTERM, env=env)
+        assert proc.stdout is not None
+        child = Child(name, proc, self.output.forward(name, proc.stdout))
+        self.running.append(child)
+        return child
+
+    def run(self, name: str, argv: list[str], env: dict[str, str]) -> int:
+        """Run a one-shot child to completion (stopped like the others if interrupted)."""
+        child = self.start(name, argv, env)
+        code = child.proc.wait()
+        child.pump.join(timeout=2.0)
+        self.running.remove(child)
+        return code
+
+    def first_exited(self) -> Child | None:
+        return next((child for child in self.running if child.proc.poll() is not None), None)
+
+    def stop_all(self) -> None:
+        """SIGTERM every child's process group at once; SIGKILL what outlives the timeout."""
+        live = [child for child in self.running if child.proc.poll() is None]
+        for child in live:
+            child.descendants = set(descendants_of(child.proc.pid))
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
+        for child in live:
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.output.line("up", f"{child.name} did not stop within {self.stop_timeout_s:.0f} s; killing it")
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                child.proc.wait()
+        for child in live:
+            for pid in child.descendants:
+                if is_alive(pid):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+            child.pump.join(timeout=2.0)
+        self.running.clear()
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    """Pids whose environment carries `marker` (readable only for our own processes)."""
+    needle = marker.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def sweep(marker: str, output: Output) -> None:
+    """Kill anything still carrying this run's marker (e.g. an engine a service orphaned)."""
+    for pid in processes_with_marker(marker):
+        if is_alive(pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                cmd = "?"
+            output.line("up", f"killing leftover process {pid}: {cmd}")
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------
+# the cluster
+
+
+def port_is_free(port: int, host: str = LOCALHOST) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As servers do: a port held only by closed connections in TIME_WAIT is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+def redact(url: str) -> str:
+    """A URL fit for printing: any password replaced by ***."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, location = rest.rpartition("@")
+    if not (sep and at) or ":" not in credentials:
+        return url
+    return f"{scheme}://{credentials.split(':', 1)[0]}:***@{location}"
+
+
+@contextlib.contextmanager
+def backing_servers(args: argparse.Namespace, env: dict[str, str], output: Output) -> Iterator[tuple[str, str, str, str]]:
+    """(nats_url, database_url, nats_origin, postgres_origin), external when named, else embedded."""
+    with contextlib.ExitStack() as stack:
+        data_dir = args.data_dir.absolute()
+        if env.get("NATS_URL"):
+            nats_url, nats_origin = env["NATS_URL"], "external (NATS_URL)"
+        else:
+            output.line("up", f"starting NATS JetStream (data in {data_dir / 'nats'})")
+            nats = stack.enter_context(EmbeddedNats(data_dir / "nats", args.nats_port))
+            nats_url, nats_origin = nats.url, f"embedded, pid {nats.pid}, log {nats.log_path}"
+        if env.get("DATABASE_URL"):
+            database_url, pg_origin = env["DATABASE_URL"], "external (DATABASE_URL)"
+        else:
+            output.line("up", f"starting PostgreSQL 16 (data in {data_dir / 'postgres'})")
+            postgres = stack.enter_context(EmbeddedPostgres(data_dir / "postgres", args.postgres_port))
+            database_url, pg_origin = postgres.url, f"embedded, pid {postgres.pid}, log {postgres.log_path}"
+        if not (env.get("NATS_URL") and env.get("DATABASE_URL")):
+            stack.callback(output.line, "up", "stopping the embedded servers")
+        yield nats_url, database_url, nats_origin, pg_origin
+
+
+def service_argv(name: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", name]
+
+
+def engine_lines(env: dict[str, str]) -> list[str]:
+    """Which engine backs each tier, as the settings say; never claims more than they do."""
+    try:
+        from shared.config import engine_summary  # type: ignore[attr-defined]
+    except ImportError:
+        engine_summary = None
+    if engine_summary is not None:
+        try:
+            return [str(line) for line in engine_summary(env)]
+        except Exception as exc:  # the banner must not stop the cluster
+            return [f"engines: could not read the settings ({exc})"]
+    gpu = Path("/dev/nvidia0").exists()
+    return [
+        "fast tier (llama.cpp): real llama.cpp inference",
+        "slow tier (vllm):      " + ("real vLLM (a GPU is present)" if gpu else "simulated vLLM (no GPU here); answers say which engine served"),
+    ]
+
+
+def banner(args: argparse.Namespace, nats: tuple[str, str], postgres: tuple[str, str], env: dict[str, str]) -> str:
+    gateway = f"http://{LOCALHOST}:{args.gateway_port}/v1"
+    lines = [
+        "modelpool is starting:",
+        f"  gateway   {gateway}   (OpenAI-compatible; health at http://{LOCALHOST}:{args.gateway_port}/health)",
+        f"  NATS      {redact(nats[0])}   ({nats[1]})",
+        f"  Postgres  {redact(postgres[0])}   ({postgres[1]})",
+        f"  services  {', '.join(args.services)}",
+        *(f"  {line}" for line in engine_lines(env)),
+        "  Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
+
+
+def supervise(children: Children, shutdown: ShutdownRequest, output: Output, health_url: str | None) -> int:
+    """Wait for a stop signal (exit 0) or a service dying on its own (exit 1)."""
+    healthy = health_url is None
+    next_probe = 0.0
+    while not shutdown.event.is_set():
+        dead = children.first_exited()
+        if dead is not None:
+            output.line("up", f"{dead.name} exited unexpectedly with code {dead.proc.returncode}; stopping the cluster")
+            return 1
+        if not healthy and time.monotonic() >= next_probe:
+            healthy = http_ok(health_url)  # type: ignore[arg-type]
+            next_probe = time.monotonic() + 0.5
+            if healthy:
+                output.line("up", f"gateway is healthy; send requests to {health_url.rsplit('/', 1)[0]}/v1")  # type: ignore[union-attr]
+        shutdown.event.wait(0.1)
+    return 0
+
+
+def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> int:
+    env = dict(os.environ)
+    marker = f"{RUN_MARKER}={uuid.uuid4().hex}"
+    children = Children(output, args.stop_timeout)
+    code = 1
+    try:
+        if "gateway" in args.services and not port_is_free(args.gateway_port):
+            output.line("up", f"gateway port {args.gateway_port} is in use; choose another with --gateway-port")
+            return 1
+        with backing_servers(args, env, output) as (nats_url, database_url, nats_origin, pg_origin):
+            key, value = marker.split("=", 1)
+            env.update({
+                "NATS_URL": nats_url,
+                "DATABASE_URL": database_url,
+                "MODELPOOL_GATEWAY_PORT": str(args.gateway_port),
+                "PYTHONUNBUFFERED": "1",
+                key: value,
+            })  # fmt: skip
+            if args.config is not None:
+                env["MODELPOOL_CONFIG"] = str(args.config.absolute())
+            if args.namespace is not None:
+                env["MODELPOOL_NAMESPACE"] = args.namespace
+            try:
+                output.line("up", "applying migrations")
+                migrated = children.run("migrate", service_argv("migrate"), env)
+                if migrated != 0:
+                    output.line("up", f"migrations failed with code {migrated}; stopping")
+                    return 1
+                for name in args.services:
+                    children.start(name, service_argv(name), env)
+                output.line("up", banner(args, (nats_url, nats_origin), (database_url, pg_origin), env))
+                shutdown.starting = False
+                health = f"http://{LOCALHOST}:{args.gateway_port}/health" if "gateway" in args.services else None
+                code = supervise(children, shutdown, output, health)
+            except Interrupted:
+                code = 0
+            finally:
+                shutdown.starting = False
+                if shutdown.event.is_set():
+                    output.line("up", f"{shutdown.signal_name or 'signal'} received; stopping services")
+                children.stop_all()
+                sweep(marker, output)
+                output.line("up", "services stopped")
+    except Interrupted:
+        output.line("up", f"{shutdown.signal_name} received while starting; stopping")
+        code = 0
+    except EmbeddedServerError as exc:
+        output.line("up", f"could not start: {exc}")
+        code = 1
+    finally:
+        shutdown.starting = False
+        sweep(marker, output)
+    output.line("up", "stopped" if code == 0 else f"stopped (exit {code})")
+    return code
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    shutdown = ShutdownRequest()
+    shutdown.install()
+    return run(args, shutdown, Output(sys.stdout))
