@@ -1,0 +1,527 @@
+"""The simulated engine's HTTP server: vLLM's (or llama-server's) API over the decode model.
+
+Everything a client can see follows the real engine's protocol; nothing pretends
+to be real inference: `/v1/models` says `engine: simulated-...` and
+`simulated: true`, every response carries the `x-modelpool-engine` header, and
+completions carry the engine name as `system_fingerprint`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import zlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.engines.simulated import synthetic
+from services.engines.simulated.config import EngineConfig
+from services.engines.simulated.driver import Generation, RealTimeDriver
+from services.engines.simulated.lifecycle import EngineState, Lifecycle, LifecycleError
+from services.engines.simulated.metrics import EngineSnapshot, EngineStats, render_llamacpp, render_vllm
+from shared.openai_protocol import (
+    ENGINE_HEADER,
+    SSE_DONE,
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    bad_request,
+    new_id,
+    not_found_model,
+    now_s,
+    service_unavailable,
+    sse,
+    validation_error,
+)
+from simulation.prefix_cache import block_hashes
+
+log = logging.getLogger(__name__)
+
+_TOKEN_MARK = "@@modelpool-token@@"
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+@dataclass(frozen=True)
+class StreamFrames:
+    """Pre-encoded SSE bytes of one stream: every token event is head + word + tail."""
+
+    opening: bytes
+    head: bytes
+    tail: bytes
+    closing: Callable[[str, Usage | None], bytes]
+
+
+def _split_template(chunk: BaseModel) -> tuple[bytes, bytes]:
+    head, tail = sse(chunk).split(_TOKEN_MARK.encode())
+    return head, tail
+
+
+def chat_frames(rid: str, created: int, model: str, fingerprint: str) -> StreamFrames:
+    def chunk(delta: ChatDelta | None = None, finish: str | None = None, usage: Usage | None = None,
+              choices: bool = True) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=rid, created=created, model=model,
+            choices=[ChatChunkChoice(delta=delta or ChatDelta(), finish_reason=finish)] if choices else [],
+            usage=usage, system_fingerprint=fingerprint,
+        )
+
+    head, tail = _split_template(chunk(ChatDelta(content=_TOKEN_MARK)))
+
+    def closing(reason: str, usage: Usage | None) -> bytes:
+        out = sse(chunk(finish=reason))
+        if usage is not None:
+            out += sse(chunk(usage=usage, choices=False))
+        return out + SSE_DONE
+
+    return StreamFrames(sse(chunk(ChatDelta(role="assistant", content=""))), head, tail, closing)
+
+
+def completion_frames(rid: str, created: int, model: str, fingerprint: str, echo: str | None) -> StreamFrames:
+    def chunk(text: str = "", finish: str | None = None, usage: Usage | None = None,
+              choices: bool = True) -> CompletionResponse:
+        return CompletionResponse(
+            id=rid, created=created, model=model,
+            choices=[CompletionChoice(text=text, finish_reason=finish)] if choices else [],
+            usage=usage, system_fingerprint=fingerprint,
+        )
+
+    head, tail = _split_template(chunk(_TOKEN_MARK))
+
+    def closing(reason: str, usage: Usage | None) -> bytes:
+        out = sse(chunk(finish=reason))
+        if usage is not None:
+            out += sse(chunk(usage=usage, choices=False))
+        return out + SSE_DONE
+
+    return StreamFrames(sse(chunk(echo)) if echo else b"", head, tail, closing)
+
+
+class TokenStream:
+    """SSE response written straight to ASGI `send`, one write per batch of ready tokens.
+
+    A second, idle task waits for the client's disconnect and cancels the
+    request in the decode system, which frees its KV memory at once.
+    """
+
+    raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+    def __init__(self, server: "EngineServer", gen: Generation, frames: StreamFrames, include_usage: bool):
+        self._server = server
+        self._gen = gen
+        self._frames = frames
+        self._include_usage = include_usage
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        server, gen, frames = self._server, self._gen, self._frames
+        driver = server.driver
+        token = server.filler.token
+        head, tail, seed = frames.head, frames.tail, gen.text_seed
+        watcher = asyncio.ensure_future(server.cancel_on_disconnect(receive, gen))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            if frames.opening:
+                await send({"type": "http.response.body", "body": frames.opening, "more_body": True})
+            sent = 0
+            while True:
+                if gen.emitted == sent and gen.finish_reason is None:
+                    await driver.wait(gen)
+                ready = gen.emitted
+                body = b"".join([head + token(seed, i) + tail for i in range(sent, ready)]) if ready > sent else b""
+                sent = ready
+                reason = gen.finish_reason
+                if reason is None:
+                    if body:
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                    continue
+                if reason != "abort":
+                    usage = server.usage(gen) if self._include_usage else None
+                    body += frames.closing(reason, usage)
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+                return
+        finally:
+            watcher.cancel()
+            if gen.finish_reason is None:
+                driver.cancel(gen)
+
+
+# --------------------------------------------------------------------------- server
+
+
+class HeaderMiddleware:
+    """Names the simulated engine on every response."""
+
+    def __init__(self, app: ASGIApp, engine: str) -> None:
+        self.app = app
+        self.header = (ENGINE_HEADER.encode(), engine.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        header = self.header
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+class EngineServer:
+    """State of one simulated engine; its bound methods are the HTTP routes."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine = config.engine_name
+        self.stats = EngineStats()
+        self.lifecycle = Lifecycle(config)
+        self.driver = RealTimeDriver(config, self.stats)
+        self.filler = synthetic.FillerText.build()
+        self._loader: asyncio.Task[None] | None = None
+        self._lifecycle_lock = asyncio.Lock()
+        self._next_id = 0
+
+    # ------------------------------------------------------------ start/stop
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.driver.start()
+        delay = self.config.startup_s / self.config.speedup
+        if self.config.profile == "vllm":
+            # vLLM binds its port only once the model is loaded; uvicorn binds after lifespan start-up.
+            await asyncio.sleep(delay)
+            self.lifecycle.loaded()
+        else:
+            self._loader = asyncio.ensure_future(self._load(delay))
+        log.info("%s engine for %s ready to bind", self.engine, self.config.model)
+        try:
+            yield
+        finally:
+            if self._loader is not None:
+                self._loader.cancel()
+            await self.driver.stop()
+
+    async def _load(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self.lifecycle.loaded()
+
+    # ------------------------------------------------------------ helpers
+
+    def _require_serving(self) -> None:
+        state = self.lifecycle.state
+        if state is EngineState.AWAKE:
+            return
+        if state is EngineState.LOADING:
+            raise APIError(503, "Loading model", type="unavailable_error", code=503)
+        if state is EngineState.DRAINING:
+            raise service_unavailable(
+                f"engine is going to sleep (level {self.lifecycle.level}); request refused", code="engine_sleeping")
+        if state is EngineState.WAKING:
+            raise service_unavailable("engine is waking up; retry shortly", code="engine_waking")
+        raise service_unavailable(
+            f"engine is sleeping (level {self.lifecycle.level}); POST /wake_up before sending requests",
+            code="engine_sleeping")
+
+    def _check_model(self, model: str) -> None:
+        if model != self.config.model:
+            raise not_found_model(model)
+
+    async def _parse(self, request: Request, model_cls: type[BaseModel]) -> Any:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad_request("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        try:
+            return model_cls.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+
+    def _generation(self, tokens: list[str] | list[int], limit: int | None, seed: int | None,
+                    ignore_eos: bool, param: str) -> Generation:
+        config = self.config
+        prompt_tokens = len(tokens)
+        if prompt_tokens == 0:
+            raise bad_request("the prompt is empty", param=param)
+        max_len = config.max_model_len
+        if prompt_tokens >= max_len or (limit is not None and prompt_tokens + limit > max_len):
+            asked = prompt_tokens + (limit or 0)
+            raise bad_request(
+                f"This model's maximum context length is {max_len} tokens. However, you requested {asked} "
+                f"tokens ({prompt_tokens} in the {param}, {limit or 0} in the completion). "
+                f"Please reduce the length of the {param} or completion.",
+                param=param, code="context_length_exceeded")
+        room = max_len - prompt_tokens
+        text_seed = synthetic.stable_seed(config.seed, seed, prompt_tokens, *tokens[-32:])
+        natural = synthetic.natural_length(text_seed, config.natural_output_tokens)
+        if limit is None:
+            decode, reason = (natural, "stop") if natural <= room else (room, "length")
+        elif ignore_eos or limit <= natural:
+            decode, reason = limit, "length"
+        else:
+            decode, reason = natural, "stop"
+        hashes: tuple[int, ...] = ()
+        if config.enable_prefix_caching:
+            ids = tokens if isinstance(tokens[0], int) else [zlib.crc32(t.encode()) for t in tokens]
+            hashes = block_hashes(ids, config.block_size)
+        self._next_id += 1
+        return Generation(
+            request_id=f"sim-{self._next_id}", prompt_tokens=prompt_tokens, decode_length=decode,
+            stop_reason=reason, text_seed=text_seed, prefix_hashes=hashes,
+        )
+
+    def usage(self, gen: Generation) -> Usage:
+        cached = gen.cached_tokens if self.config.enable_prefix_caching else None
+        return Usage.of(gen.prompt_tokens, gen.emitted, cached)
+
+    async def cancel_on_disconnect(self, receive: Receive, gen: Generation) -> None:
+        while gen.finish_reason is None:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.driver.cancel(gen)
+                return
+
+    async def _until_finished(self, request: Request, gen: Generation) -> None:
+        watcher = asyncio.ensure_future(self.cancel_on_disconnect(request.receive, gen))
+        try:
+            while gen.finish_reason is None:
+                await self.driver.wait(gen)
+        finally:
+            watcher.cancel()
+            if gen.finish_reason is None:
+                self.driver.cancel(gen)
+
+    # ------------------------------------------------------------ OpenAI routes
+
+    async def chat_completions(self, request: Request) -> Response | TokenStream:
+        self._require_serving()
+        req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+        self._check_model(req.model)
+        tokens = synthetic.chat_pieces([(m.role, m.text()) for m in req.messages])
+        gen = self._generation(tokens, req.output_limit(), req.seed, _ignore_eos(req), "messages")
+        self.driver.submit(gen)
+        rid, created = new_id("chatcmpl"), now_s()
+        if req.stream:
+            frames = chat_frames(rid, created, req.model, self.engine)
+            return TokenStream(self, gen, frames, req.include_usage_in_stream())
+        await self._until_finished(request, gen)
+        body = ChatCompletionResponse(
+            id=rid, created=created, model=req.model,
+            choices=[ChatChoice(message=AssistantMessage(content=self.filler.text(gen.text_seed, gen.emitted)),
+                                finish_reason=gen.finish_reason)],
+            usage=self.usage(gen), system_fingerprint=self.engine,
+        )
+        return _json(body)
+
+    async def completions(self, request: Request) -> Response | TokenStream:
+        self._require_serving()
+        req: CompletionRequest = await self._parse(request, CompletionRequest)
+        self._check_model(req.model)
+        prompt = req.prompt_text()
+        tokens: list[str] | list[int] = synthetic.pieces(prompt) if isinstance(prompt, str) else list(prompt)
+        gen = self._generation(tokens, req.output_limit(), req.seed, _ignore_eos(req), "prompt")
+        self.driver.submit(gen)
+        rid, created = new_id("cmpl"), now_s()
+        echo = prompt if req.echo and isinstance(prompt, str) else None
+        if req.stream:
+            frames = completion_frames(rid, created, req.model, self.engine, echo)
+            return TokenStream(self, gen, frames, req.include_usage_in_stream())
+        await self._until_finished(request, gen)
+        text = (echo or "") + self.filler.text(gen.text_seed, gen.emitted)
+        body = CompletionResponse(
+            id=rid, created=created, model=req.model,
+            choices=[CompletionChoice(text=text, finish_reason=gen.finish_reason)],
+            usage=self.usage(gen), system_fingerprint=self.engine,
+        )
+        return _json(body)
+
+    async def models(self, request: Request) -> Response:
+        if self.lifecycle.state is EngineState.LOADING:
+            self._require_serving()
+        card = ModelCard(
+            id=self.config.model, owned_by="vllm" if self.config.profile == "vllm" else "llamacpp",
+            engine=self.engine, simulated=True, max_model_len=self.config.max_model_len,
+        )
+        return _json(ModelList(data=[card]))
+
+    # ------------------------------------------------------------ engine routes
+
+    async def health(self, request: Request) -> Response:
+        if self.config.profile == "vllm":
+            return Response(status_code=200)
+        if self.lifecycle.state is EngineState.LOADING:
+            self._require_serving()
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        render = render_vllm if self.config.profile == "vllm" else render_llamacpp
+        return Response(render(self.stats, self.snapshot()), media_type="text/plain; version=0.0.4")
+
+    def snapshot(self) -> EngineSnapshot:
+        driver, memory = self.driver, self.lifecycle.memory()
+        return EngineSnapshot(
+            model=self.config.model, engine=self.engine,
+            running=driver.running, waiting=driver.waiting, deferred=len(driver.deferred),
+            kv_used_tokens=driver.system.memory_used, kv_total_tokens=self.config.kv_tokens,
+            preemptions=driver.counter("preemptions"),
+            prefix_cache_queries=driver.counter("prefix_cache_queries"),
+            prefix_cache_hits=driver.counter("prefix_cache_hits"),
+            sleep_state=self.lifecycle.sleep_state_label(),
+            gpu_bytes=memory.gpu_bytes, cpu_bytes=memory.cpu_bytes,
+            lifecycle_state=self.lifecycle.state.value, speedup=self.config.speedup,
+        )
+
+    async def status(self, request: Request) -> Response:
+        """modelpool's own view of the simulator: state, memory and scheduler counters."""
+        snap = self.snapshot()
+        return JSONResponse({
+            "engine": self.engine, "simulated": True, "model": self.config.model,
+            "state": snap.lifecycle_state, "sleep_level": self.lifecycle.level,
+            "is_sleeping": self.lifecycle.is_sleeping,
+            "memory": {"gpu_bytes": snap.gpu_bytes, "cpu_bytes": snap.cpu_bytes},
+            "kv_cache": {"used_tokens": snap.kv_used_tokens, "total_tokens": snap.kv_total_tokens},
+            "requests": {"running": snap.running, "waiting": snap.waiting, "deferred": snap.deferred},
+            "speedup": self.config.speedup,
+            "batches": self.stats.steps,
+            "scheduled_wall_s": self.stats.scheduled_wall_s,
+            "actual_wall_s": self.stats.actual_wall_s,
+        })
+
+    async def sleep(self, request: Request) -> Response:
+        raw = request.query_params.get("level", "1")
+        try:
+            level = int(raw)
+        except ValueError:
+            raise bad_request(f"sleep level must be 1 or 2, got {raw!r}", param="level") from None
+        if level not in (1, 2):
+            raise bad_request(f"sleep level must be 1 or 2, got {level}", param="level")
+        async with self._lifecycle_lock:
+            if not self._transition(self.lifecycle.begin_sleep, level):
+                return Response(status_code=200)
+            await self.driver.drained()
+            await asyncio.sleep(self.lifecycle.sleep_delay() / self.config.speedup)
+            self.driver.reset()
+            self.lifecycle.asleep()
+        log.info("%s asleep at level %d", self.engine, level)
+        return Response(status_code=200)
+
+    async def wake_up(self, request: Request) -> Response:
+        async with self._lifecycle_lock:
+            delay = self._transition(self.lifecycle.begin_wake)
+            if delay is None:
+                return Response(status_code=200)
+            await asyncio.sleep(delay / self.config.speedup)
+            self.lifecycle.awake()
+        log.info("%s awake", self.engine)
+        return Response(status_code=200)
+
+    async def is_sleeping(self, request: Request) -> Response:
+        return JSONResponse({"is_sleeping": self.lifecycle.is_sleeping})
+
+    def _transition(self, step: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return step(*args)
+        except LifecycleError as exc:
+            raise APIError(409, str(exc), type="invalid_request_error", code="invalid_state") from None
+
+    async def slots(self, request: Request) -> Response:
+        """llama-server's `/slots`: one entry per parallel slot."""
+        self._require_serving()
+        busy = [g for g in self.driver.active.values() if g.sim_request is not None]
+        out = []
+        per_slot_ctx = self.config.kv_tokens // self.config.max_num_seqs
+        for slot in range(self.config.max_num_seqs):
+            gen = busy[slot] if slot < len(busy) else None
+            out.append({
+                "id": slot,
+                "id_task": int(gen.request_id.rsplit("-", 1)[1]) if gen else -1,
+                "n_ctx": per_slot_ctx,
+                "is_processing": gen is not None,
+                "n_prompt_tokens": gen.prompt_tokens if gen else 0,
+                "n_decoded": gen.emitted if gen else 0,
+                "simulated": True,
+            })
+        return JSONResponse(out)
+
+    # ------------------------------------------------------------ app
+
+    def routes(self) -> list[Route]:
+        routes = [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/sim/status", self.status, methods=["GET"]),
+        ]
+        if self.config.profile == "vllm":
+            routes += [
+                Route("/sleep", self.sleep, methods=["POST"]),
+                Route("/wake_up", self.wake_up, methods=["POST"]),
+                Route("/is_sleeping", self.is_sleeping, methods=["GET"]),
+            ]
+        else:
+            routes.append(Route("/slots", self.slots, methods=["GET"]))
+        return routes
+
+
+def _ignore_eos(req: BaseModel) -> bool:
+    """vLLM's `ignore_eos` sampling extension: generate exactly max_tokens."""
+    return bool((req.model_extra or {}).get("ignore_eos", False))
+
+
+def _json(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                   type="invalid_request_error", code=exc.status_code)
+    return JSONResponse(err.to_dict(), status_code=exc.status_code)
+
+
+def create_app(config: EngineConfig) -> Starlette:
+    """The ASGI app of one simulated engine (the server state lives in the closure, not globally)."""
+    server = EngineServer(config)
+    app = Starlette(
+        routes=server.routes(),
+        lifespan=server.lifespan,
+        middleware=[Middleware(HeaderMiddleware, engine=server.engine)],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error},
+    )
+    app.state.server = server
+    return app

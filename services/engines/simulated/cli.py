@@ -1,0 +1,81 @@
+"""`modelpool engine sim --profile vllm|llama.cpp ...`: run a simulated engine.
+
+Settings are layered: profile defaults, then `MODELPOOL_SIM_*` environment
+variables, then these options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pydantic import ValidationError
+
+from services.engines.simulated.config import EngineConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="modelpool engine sim",
+        description="A simulated inference engine: the real engine's HTTP API, timing from the decode model "
+        "of seed 002, synthetic text. No model runs; every response says so.",
+    )
+    p.add_argument("--profile", choices=["vllm", "llama.cpp"], default="vllm", help="which engine to look like")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000 for vllm, 8080 for llama.cpp)")
+    p.add_argument("--model", help="served model name (default qwen3-vl-2b)")
+    p.add_argument("--speedup", type=float, help="simulated seconds per wall second (tests use large values)")
+    p.add_argument("--seed", type=int)
+    g = p.add_argument_group("lifecycle delays, simulated seconds")
+    g.add_argument("--startup-s", type=float, help="cold start (vllm 60, llama.cpp 2)")
+    g.add_argument("--wake-l1-s", type=float, help="wake from sleep level 1 (0.3)")
+    g.add_argument("--wake-l2-s", type=float, help="wake from sleep level 2 (2.6)")
+    g.add_argument("--sleep-l1-s", type=float, help="time to enter sleep level 1 (0.4)")
+    g.add_argument("--sleep-l2-s", type=float, help="time to enter sleep level 2 (0.1)")
+    g = p.add_argument_group("decode model")
+    g.add_argument("--d-0", dest="d_0", type=float, help="batch base duration, seconds")
+    g.add_argument("--d-1", dest="d_1", type=float, help="batch duration per token, seconds")
+    g.add_argument("--max-num-batched-tokens", type=int, help="token budget B per batch")
+    g.add_argument("--max-num-seqs", type=int, help="requests in the decode system at once (llama.cpp: slots)")
+    g.add_argument("--parallel", dest="max_num_seqs", type=int, help="llama.cpp spelling of --max-num-seqs")
+    g.add_argument("--max-model-len", type=int, help="context length per request")
+    g.add_argument("--kv-cache-tokens", type=int, help="KV capacity M_total in tokens (default: from memory)")
+    g.add_argument("--preemption-mode", choices=["swap", "sacrifice"])
+    g.add_argument("--preemption-strategy", choices=["conservative", "aggressive"])
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
+    g.add_argument("--natural-output-tokens", type=int, help="mean answer length when max_tokens is larger")
+    g = p.add_argument_group("memory accounting")
+    g.add_argument("--gpu-memory-gib", type=float)
+    g.add_argument("--gpu-memory-utilization", type=float)
+    g.add_argument("--weights-gib", type=float)
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = vars(build_parser().parse_args(argv))
+    profile = args.pop("profile")
+    log_level = args.pop("log_level")
+    try:
+        config = EngineConfig.resolve(profile, **args)
+    except ValidationError as exc:
+        print(f"modelpool engine sim: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from services.engines.simulated.app import create_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(
+        f"modelpool: SIMULATED {config.profile} engine (no real inference) serving {config.model!r} "
+        f"on http://{config.host}:{config.port}, speed-up x{config.speedup}, "
+        f"start-up {config.startup_s / config.speedup:.1f} s",
+        file=sys.stderr, flush=True,
+    )
+    uvicorn.run(
+        create_app(config), host=config.host, port=config.port, log_level=log_level,
+        access_log=False, timeout_graceful_shutdown=5,
+    )
+    return 0
