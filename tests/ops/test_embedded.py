@@ -1,0 +1,143 @@
+"""The embedded NATS and Postgres servers: real servers, started, reused and stopped cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import asyncpg
+import nats
+import pytest
+
+from services.ops.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError
+from ops_processes import alive, descendants, pids_mentioning, wait_gone
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _uid_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Uid line for pid {pid}")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("embedded")
+
+
+async def _publish_and_count(url: str, stream: str, subject: str, publish: bool) -> tuple[int | None, int]:
+    client = await nats.connect(url)
+    try:
+        js = client.jetstream()
+        if publish:
+            await js.add_stream(name=stream, subjects=[subject])
+            ack = await js.publish(subject, b"hello", headers={"Nats-Msg-Id": "m-1"})
+            # The same message id again is deduplicated by JetStream, not stored twice.
+            duplicate = await js.publish(subject, b"hello", headers={"Nats-Msg-Id": "m-1"})
+            assert duplicate.duplicate
+            seq: int | None = ack.seq
+        else:
+            seq = None
+        info = await js.stream_info(stream)
+        return seq, info.state.messages
+    finally:
+        await client.close()
+
+
+async def test_nats_accepts_a_jetstream_publish_and_keeps_it_across_restarts(data_dir: Path) -> None:
+    server = EmbeddedNats(data_dir / "nats")
+    with server:
+        assert server.url.startswith("nats://127.0.0.1:")
+        pid = server.pid
+        assert pid is not None and alive(pid)
+        seq, messages = await _publish_and_count(server.url, "EMBEDDED", "embedded.test", publish=True)
+        assert (seq, messages) == (1, 1)
+    assert wait_gone([pid]) == []
+    assert pids_mentioning(data_dir / "nats") == []
+
+    with EmbeddedNats(data_dir / "nats") as again:  # the same store: the stream and its message are still there
+        _, messages = await _publish_and_count(again.url, "EMBEDDED", "embedded.test", publish=False)
+        assert messages == 1
+
+
+async def test_postgres_accepts_queries_runs_unprivileged_and_keeps_data(data_dir: Path) -> None:
+    server = EmbeddedPostgres(data_dir / "postgres", database="embedded_test")
+    with server:
+        assert server.url.startswith("postgresql://postgres@127.0.0.1:") and server.url.endswith("/embedded_test")
+        postmaster = server.pid
+        assert postmaster is not None
+        # Postgres refuses root; as root the server runs as an unprivileged account.
+        expected_uid = os.geteuid()
+        if expected_uid == 0:
+            assert _uid_of(postmaster) != 0
+        else:
+            assert _uid_of(postmaster) == expected_uid
+        conn = await asyncpg.connect(server.url)
+        try:
+            version = await conn.fetchval("SHOW server_version")
+            assert version.startswith("16.")
+            await conn.execute("CREATE TABLE kept (v text)")
+            await conn.execute("INSERT INTO kept VALUES ('survives a restart')")
+        finally:
+            await conn.close()
+        assert postmaster in pids_mentioning(data_dir / "postgres")
+        helpers = descendants(postmaster)
+        assert helpers  # checkpointer, walwriter, ...: they must go too
+    assert wait_gone([postmaster, *helpers]) == []
+    assert pids_mentioning(data_dir / "postgres") == []
+
+    # Second start finds the cluster: no initdb, the row is still there.
+    with EmbeddedPostgres(data_dir / "postgres", database="embedded_test") as again:
+        conn = await asyncpg.connect(again.url)
+        try:
+            assert await conn.fetchval("SELECT v FROM kept") == "survives a restart"
+        finally:
+            await conn.close()
+    assert pids_mentioning(data_dir / "postgres") == []
+
+
+def test_a_second_postgres_on_the_same_data_dir_is_refused(data_dir: Path) -> None:
+    with EmbeddedPostgres(data_dir / "shared-pg"):
+        with pytest.raises(EmbeddedServerError, match="already running"):
+            EmbeddedPostgres(data_dir / "shared-pg").start()
+    assert pids_mentioning(data_dir / "shared-pg") == []
+
+
+def test_servers_die_with_a_parent_killed_by_sigkill(tmp_path: Path) -> None:
+    marker = f"MODELPOOL_TEST_RUN={uuid.uuid4().hex}"
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from services.ops.embedded import EmbeddedNats, EmbeddedPostgres
+        nats = EmbeddedNats({str(tmp_path / "nats")!r}).start()
+        pg = EmbeddedPostgres({str(tmp_path / "pg")!r}).start()
+        print(nats.pid, pg.pid, flush=True)
+        time.sleep(120)
+        """
+    )
+    key, value = marker.split("=")
+    env = {**os.environ, key: value, "PYTHONPATH": str(REPO)}
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        assert parent.stdout is not None
+        line = parent.stdout.readline()
+        nats_pid, pg_pid = map(int, line.split())
+        assert alive(nats_pid) and alive(pg_pid)
+        started = pids_mentioning(marker)
+        started += [child for pid in started for child in descendants(pid)]
+        assert {nats_pid, pg_pid} <= set(started)
+        assert len(set(started)) >= 5  # the parent, nats-server, postgres and its helpers
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    assert wait_gone(started, timeout_s=15) == []
+    assert pids_mentioning(marker) == []

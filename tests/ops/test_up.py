@@ -1,0 +1,177 @@
+"""`modelpool up` end to end: real servers, real services, clean stop, nothing left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ops_processes import cmdline, descendants, pids_mentioning, wait_gone
+from services.ops import up
+from services.ops.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 90.0
+
+
+@dataclass
+class Cluster:
+    proc: subprocess.Popen[bytes]
+    log: Path
+    marker: str
+    gateway_port: int
+    data_dir: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def health(self) -> int | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.gateway_port}/health", timeout=2) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return None
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while self.health() != 200:
+            if self.proc.poll() is not None:
+                pytest.fail(f"modelpool up exited with {self.proc.returncode} before the gateway was healthy:\n{self.output()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"gateway not healthy within {READY_TIMEOUT_S:.0f} s:\n{self.output()}")
+            time.sleep(0.2)
+
+    def ctrl_c(self) -> None:
+        # A terminal's Ctrl-C goes to the foreground process group.
+        os.killpg(self.proc.pid, signal.SIGINT)
+
+    def wait_exit(self, timeout_s: float = 45.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"modelpool up did not exit within {timeout_s:.0f} s:\n{self.output()}")
+
+    def processes(self) -> list[int]:
+        """Every live process this run started: they all inherit the marker,
+        except Postgres backends, which are found as the postmaster's descendants."""
+        marked = pids_mentioning(self.marker)
+        return sorted({*marked, *(child for pid in marked for child in descendants(pid))})
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Shared by the tests in this module, so only the first one pays for initdb.
+    return tmp_path_factory.mktemp("up")
+
+
+def _start(data_dir: Path, log: Path, extra_env: dict[str, str] | None = None) -> Cluster:
+    marker = uuid.uuid4().hex
+    gateway_port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in {"NATS_URL", "DATABASE_URL", "MODELPOOL_GATEWAY_PORT"}}
+    env.update({"MODELPOOL_TEST_RUN": marker, "PYTHONPATH": str(REPO), **(extra_env or {})})
+    argv = [sys.executable, "-m", "services.cli", "up", "--data-dir", str(data_dir), "--gateway-port", str(gateway_port)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    return Cluster(proc, log, f"MODELPOOL_TEST_RUN={marker}", gateway_port, data_dir)
+
+
+@pytest.fixture
+def started() -> Iterator[list[Cluster]]:
+    """Clusters started by a test; killed outright if the test failed midway."""
+    clusters: list[Cluster] = []
+    yield clusters
+    for cluster in clusters:
+        if cluster.proc.poll() is None:
+            os.killpg(cluster.proc.pid, signal.SIGKILL)
+            cluster.proc.wait()
+        for pid in cluster.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_up_serves_then_ctrl_c_stops_everything(data_dir: Path, tmp_path: Path, started: list[Cluster]) -> None:
+    cluster = _start(data_dir, tmp_path / "up.log")
+    started.append(cluster)
+    cluster.wait_healthy()
+
+    text = cluster.output()
+    assert f"http://127.0.0.1:{cluster.gateway_port}/v1" in text
+    assert "nats://127.0.0.1:" in text and "postgresql://postgres@127.0.0.1:" in text
+    running = cluster.processes()
+    commands = [cmdline(pid) for pid in running]
+    for name in up.SERVICES:
+        assert any(c.endswith(f"services.cli {name}") for c in commands), f"{name} not running: {commands}"
+    assert any("nats-server" in c and str(data_dir) in c for c in commands)
+    assert any(c.split(" ", 1)[0].endswith("/postgres") for c in commands)
+    assert any(c.startswith("postgres: ") for c in commands)  # the server's own helper processes
+
+    cluster.ctrl_c()
+    assert cluster.wait_exit() == 0, cluster.output()
+    assert wait_gone(running, timeout_s=5) == [], cluster.output()
+    assert cluster.processes() == []
+    assert pids_mentioning(data_dir) == []
+    assert "stopped" in cluster.output().splitlines()[-1]
+
+
+def test_a_service_dying_stops_the_cluster_with_an_error(data_dir: Path, tmp_path: Path, started: list[Cluster]) -> None:
+    cluster = _start(data_dir, tmp_path / "up.log")
+    started.append(cluster)
+    cluster.wait_healthy()
+    running = cluster.processes()
+    worker = next(pid for pid in running if cmdline(pid).endswith("services.cli worker"))
+
+    os.kill(worker, signal.SIGKILL)
+    assert cluster.wait_exit() != 0
+    assert "worker exited unexpectedly" in cluster.output()
+    assert wait_gone(running, timeout_s=5) == []
+    assert pids_mentioning(data_dir) == []
+
+
+def test_external_servers_are_used_and_left_running(tmp_path: Path, started: list[Cluster]) -> None:
+    with EmbeddedNats(tmp_path / "ext-nats") as nats, EmbeddedPostgres(tmp_path / "ext-pg") as postgres:
+        own_dir = tmp_path / "own"
+        cluster = _start(own_dir, tmp_path / "up.log", {"NATS_URL": nats.url, "DATABASE_URL": postgres.url})
+        started.append(cluster)
+        cluster.wait_healthy()
+        assert "external (NATS_URL)" in cluster.output() and "external (DATABASE_URL)" in cluster.output()
+        assert not (own_dir / "nats").exists() and not (own_dir / "postgres").exists()
+
+        cluster.ctrl_c()
+        assert cluster.wait_exit() == 0, cluster.output()
+        assert cluster.processes() == []
+        assert nats.running and postgres.running  # not ours to stop
+        assert postgres.psql("SELECT 1") == "1"
+
+
+def test_a_busy_gateway_port_is_reported_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = up.parse_args(["--data-dir", str(tmp_path), "--gateway-port", str(port)])
+        assert up.run(args, up.ShutdownRequest(), up.Output(sys.stdout)) == 1
+    assert f"gateway port {port} is in use" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # no server was started
+
+
+def test_unknown_services_are_rejected() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        up.parse_args(["--services", "gateway,routerr"])
+    assert exit_info.value.code == 2
