@@ -286,21 +286,27 @@ def service_argv(name: str) -> list[str]:
 
 
 def engine_lines(env: dict[str, str]) -> list[str]:
-    """Which engine backs each tier, as the settings say; never claims more than they do."""
+    """Which engine backs each tier of each alias, as the pool configuration says."""
+    from shared.contracts.backends import BackendType
+    from shared.contracts.config import ConfigError, load_pool_config
+
+    path = env.get("MODELPOOL_CONFIG")
+    if not path:
+        return ["aliases   none configured (set MODELPOOL_CONFIG or --config)"]
     try:
-        from shared.config import engine_summary  # type: ignore[attr-defined]
-    except ImportError:
-        engine_summary = None
-    if engine_summary is not None:
-        try:
-            return [str(line) for line in engine_summary(env)]
-        except Exception as exc:  # the banner must not stop the cluster
-            return [f"engines: could not read the settings ({exc})"]
-    gpu = Path("/dev/nvidia0").exists()
-    return [
-        "fast tier (llama.cpp): real llama.cpp inference",
-        "slow tier (vllm):      " + ("real vLLM (a GPU is present)" if gpu else "simulated vLLM (no GPU here); answers say which engine served"),
-    ]
+        pool = load_pool_config(path, environ=env)
+    except ConfigError as exc:
+        return [f"aliases   configuration error: {exc}"]
+    lines = []
+    for alias in pool.aliases:
+        tiers = []
+        for backend in (BackendType.LLAMA_CPP, BackendType.VLLM):
+            if backend in alias.backends:
+                engine = alias.engine_for(backend)
+                what = f"simulated {backend.value} (no real inference)" if engine.simulated else f"real {engine.value}"
+                tiers.append(f"{backend.tier} tier: {what}")
+        lines.append(f"alias     {alias.alias}: " + "; ".join(tiers))
+    return lines or [f"aliases   none in {path}"]
 
 
 def banner(args: argparse.Namespace, nats: tuple[str, str], postgres: tuple[str, str], env: dict[str, str]) -> str:

@@ -175,3 +175,21 @@ def test_unknown_services_are_rejected() -> None:
     with pytest.raises(SystemExit) as exit_info:
         up.parse_args(["--services", "gateway,routerr"])
     assert exit_info.value.code == 2
+
+
+def test_the_banner_says_which_engine_backs_each_tier(tmp_path: Path) -> None:
+    config = tmp_path / "pool.yaml"
+    config.write_text(
+        """
+aliases:
+  - alias: qwen3-vl-2b
+    backends:
+      llama.cpp: {model_name: m, model_path: /models/m.gguf, gpu_memory_gb: 0, min_replicas: 1, max_replicas: 2}
+      vllm: {model_name: m, model_path: /models/m, gpu_memory_gb: 12, max_replicas: 1, engine: simulator}
+"""
+    )
+    lines = up.engine_lines({"MODELPOOL_CONFIG": str(config)})
+    assert lines == ["alias     qwen3-vl-2b: fast tier: real llama.cpp; slow tier: simulated vllm (no real inference)"]
+    assert "none configured" in up.engine_lines({})[0]
+    config.write_text("aliases:\n  - alias: broken\n")
+    assert "backends" in up.engine_lines({"MODELPOOL_CONFIG": str(config)})[0]
