@@ -1,0 +1,51 @@
+"""The `modelpool` command line: one entry point, one sub-command per job.
+
+Each sub-command lives with the code it runs; this module only dispatches, and
+imports lazily so `modelpool status` does not pay for loading llama.cpp.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module, help). The module exposes `main(argv: list[str]) -> int`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("services.ops.up", "start the local cluster on the embedded default (or NATS_URL / DATABASE_URL)"),
+    "migrate": ("services.ops.migrate", "apply the database migrations"),
+    "gateway": ("services.gateway.main", "run the gateway service"),
+    "autoscaler": ("services.autoscaler.main", "run the autoscaler service"),
+    "placement": ("services.placement.main", "run the placement service"),
+    "worker": ("services.worker.main", "run a worker service"),
+    "relay": ("services.ops.relay", "run the outbox relay (event log -> bus)"),
+    "projector": ("services.ops.projector", "keep the read models in Postgres up to date with the log"),
+    "status": ("services.ops.status", "show workers, aliases, routing states and instances"),
+    "history": ("services.ops.history", "show an alias's timeline from the event log"),
+    "replay": ("services.ops.replay", "rebuild projections from the log and compare with the live ones"),
+    "sim": ("simulation.cli", "offline decode simulator: generate, run, compare, truncate, fluid-limit"),
+    "engine": ("services.engines.cli", "run an inference engine: `engine llama.cpp` or `engine sim`"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: modelpool COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help", "help"}:
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"modelpool: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""`modelpool projector`: keep the read models in Postgres up to date with the log.
+
+The log is the authority on order: the projector always reads events from
+Postgres by position, and uses the bus only to learn, without polling, that
+there is something new. A bus message is acked once the projection has
+committed at or past its position, so a redelivery finds nothing left to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from services.runtime import ServiceContext, run_service
+from shared.bus.jetstream import Consumer
+from shared.contracts.messages import Contract, Envelope
+from shared.projections.projector import Projector
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 1.0
+
+
+async def serve(ctx: ServiceContext) -> None:
+    projector = Projector(ctx.store, ctx.engine)
+    await projector.load()
+    caught = await projector.catch_up()
+    log.info("projections loaded at position %d (%d events applied on start)", projector.position, caught)
+    lock = asyncio.Lock()
+
+    async def on_event(envelope: Envelope, _: Contract) -> None:
+        if envelope.position is not None and envelope.position <= projector.position:
+            return  # already applied: a redelivery, or caught up by an earlier message
+        async with lock:
+            await projector.catch_up()
+
+    consumer = Consumer(
+        ctx.js,
+        ctx.subjects,
+        stream=ctx.subjects.events_stream,
+        durable="projector",
+        filter_subject=ctx.subjects.all_events,
+        registry=ctx.events,
+        handler=on_event,
+        telemetry=ctx.telemetry,
+        deliver_new_only=True,
+    )
+    await consumer.start()
+
+    async def poll() -> None:
+        # The bus can be down while the log is not: a slow poll keeps projections moving.
+        while not ctx.stop.is_set():
+            try:
+                await asyncio.wait_for(ctx.stop.wait(), POLL_INTERVAL_S)
+            except asyncio.TimeoutError:
+                async with lock:
+                    await projector.catch_up()
+
+    await asyncio.gather(consumer.run(ctx.stop), poll())
+
+
+def main(argv: list[str]) -> int:
+    return run_service("projector", serve)

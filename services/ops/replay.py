@@ -1,0 +1,141 @@
+"""`modelpool replay`: rebuild every read model from the log and compare with the live one.
+
+The rebuild goes into a scratch schema created by the same migrations, up to the
+position the live projections say they are at, and is read back through the same
+code as the live rows, so equal means equal. Any difference is printed and the
+command exits 1: a live row was changed behind the log's back, or a projection
+lost an event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+
+from shared.contracts.events import event_registry
+from shared.eventlog.db import create_engine, migrate_async
+from shared.eventlog.store import make_store
+from shared.projections.projector import load_position, load_rows, rebuild, write_all
+from shared.projections.readmodels import ALL_PROJECTIONS, Projection, Rows
+from shared.settings import Settings
+
+
+@dataclass(frozen=True)
+class Difference:
+    projection: str
+    key: str
+    kind: str  # "missing" (in rebuild, not live), "extra" (live only), "changed"
+    live: dict[str, Any] | None
+    rebuilt: dict[str, Any] | None
+
+    def describe(self) -> str:
+        if self.kind == "changed":
+            assert self.live is not None and self.rebuilt is not None
+            cols = [c for c in self.live if self.live.get(c) != self.rebuilt.get(c)]
+            parts = [f"{c}: live={self.live.get(c)!r} log={self.rebuilt.get(c)!r}" for c in cols]
+            return f"{self.projection} {self.key}: changed — " + "; ".join(parts)
+        if self.kind == "missing":
+            return f"{self.projection} {self.key}: in the log but missing from the live table"
+        return f"{self.projection} {self.key}: in the live table but not in the log"
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    positions: dict[str, int]
+    events_read: int
+    rows: dict[str, int]
+    differences: list[Difference]
+
+    @property
+    def consistent(self) -> bool:
+        return not self.differences
+
+
+def compare(projection: Projection, live: Rows, rebuilt: Rows) -> list[Difference]:
+    out = []
+    for key in sorted(set(live) | set(rebuilt)):
+        a, b = live.get(key), rebuilt.get(key)
+        if a is None:
+            out.append(Difference(projection.name, key, "missing", None, b))
+        elif b is None:
+            out.append(Difference(projection.name, key, "extra", a, None))
+        elif a != b:
+            out.append(Difference(projection.name, key, "changed", a, b))
+    return out
+
+
+async def replay(settings: Settings, *, keep_scratch: bool = False) -> ReplayReport:
+    live_engine = create_engine(settings, pool_size=2)
+    scratch = f"{settings.namespace[:36]}_replay_{secrets.token_hex(4)}"
+    scratch_engine = create_engine(settings, schema=scratch, pool_size=2)
+    store = make_store(live_engine, event_registry(), settings.namespace)
+    try:
+        # One snapshot of the live side: positions and rows as of the same instant.
+        live: dict[str, Rows] = {}
+        positions: dict[str, int] = {}
+        async with live_engine.connect() as conn:
+            await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+            for p in ALL_PROJECTIONS:
+                positions[p.name] = await load_position(conn, p.name)
+                live[p.name] = await load_rows(conn, p)
+            await conn.rollback()
+
+        await migrate_async(settings, scratch)
+        differences: list[Difference] = []
+        events_read = 0
+        rows_count: dict[str, int] = {}
+        for position in sorted(set(positions.values())):
+            group = [p for p in ALL_PROJECTIONS if positions[p.name] == position]
+            rebuilt, _, count = await rebuild(store, group, upto=position)
+            events_read = max(events_read, count)
+            await write_all(scratch_engine, group, rebuilt, position)
+            async with scratch_engine.connect() as conn:
+                for p in group:
+                    reread = await load_rows(conn, p)
+                    rows_count[p.name] = len(reread)
+                    differences += compare(p, live[p.name], reread)
+        return ReplayReport(positions, events_read, rows_count, differences)
+    finally:
+        await scratch_engine.dispose()
+        if not keep_scratch:
+            async with live_engine.begin() as conn:
+                await conn.execute(text(f'DROP SCHEMA IF EXISTS "{scratch}" CASCADE'))
+        await live_engine.dispose()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="modelpool replay", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--keep-scratch", action="store_true", help="leave the scratch schema for inspection")
+    args = parser.parse_args(argv)
+    report = asyncio.run(replay(Settings.load(), keep_scratch=args.keep_scratch))
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "consistent": report.consistent,
+                    "positions": report.positions,
+                    "events_read": report.events_read,
+                    "rows": report.rows,
+                    "differences": [d.describe() for d in report.differences],
+                },
+                indent=2,
+            )
+        )
+    else:
+        for name in report.positions:
+            print(f"{name:<10} position {report.positions[name]:>10}  rows {report.rows.get(name, 0):>8}")
+        if report.consistent:
+            print(f"consistent: every projection equals a rebuild from the log ({report.events_read} events)")
+        else:
+            print(f"{len(report.differences)} difference(s) between the live projections and the log:", file=sys.stderr)
+            for d in report.differences:
+                print("  " + d.describe(), file=sys.stderr)
+    return 0 if report.consistent else 1

@@ -1,0 +1,107 @@
+"""What every modelpool service process shares: its connections and its lifetime.
+
+`ServiceContext` holds the dependencies a service is given (settings, telemetry,
+database engine, event store, NATS connection); `run_service` builds one, runs
+the service body until SIGTERM / SIGINT, then closes everything in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from shared.bus.jetstream import connect, ensure_streams
+from shared.bus.subjects import Subjects
+from shared.contracts.commands import command_registry
+from shared.contracts.events import event_registry
+from shared.contracts.messages import Envelope, Registry
+from shared.eventlog.db import create_engine
+from shared.eventlog.store import EventStore, make_store
+from shared.settings import Settings
+from shared.telemetry import Telemetry
+
+log = logging.getLogger("modelpool")
+
+
+@dataclass
+class ServiceContext:
+    name: str
+    settings: Settings
+    telemetry: Telemetry
+    engine: AsyncEngine
+    store: EventStore
+    nc: NATS
+    js: JetStreamContext
+    subjects: Subjects
+    events: Registry
+    commands: Registry
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def record(self, *events: Envelope, expected_version: int = -1) -> list[Envelope]:
+        """Append events of one stream to the log, carrying the current trace context."""
+        stream_id = events[0].stream_id
+        assert stream_id and all(e.stream_id == stream_id for e in events)
+        return await self.store.append(stream_id, list(events), expected_version, headers=self.telemetry.current_headers())
+
+
+async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> ServiceContext:
+    telemetry = Telemetry.from_settings(settings, f"modelpool-{name}")
+    stack.callback(telemetry.shutdown)
+    engine = create_engine(settings)
+    stack.push_async_callback(engine.dispose)
+    events = event_registry()
+    store = make_store(engine, events, settings.namespace)
+    nc = await connect(settings.nats_url, name=f"modelpool-{name}-{socket.gethostname()}")
+    stack.push_async_callback(nc.drain)
+    js = nc.jetstream()
+    subjects = Subjects(settings.namespace)
+    await ensure_streams(js, subjects)
+    return ServiceContext(
+        name=name,
+        settings=settings,
+        telemetry=telemetry,
+        engine=engine,
+        store=store,
+        nc=nc,
+        js=js,
+        subjects=subjects,
+        events=events,
+        commands=command_registry(),
+    )
+
+
+def configure_logging(name: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run_service(name: str, body: Callable[[ServiceContext], Awaitable[None]], settings: Settings | None = None) -> int:
+    """Run `body` until it returns or the process is asked to stop; exit code 0 on a clean stop."""
+    configure_logging(name)
+    settings = settings or Settings.load()
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            ctx = await open_context(name, settings, stack)
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, ctx.stop.set)
+            log.info("%s started (namespace %s)", name, settings.namespace)
+            await body(ctx)
+            log.info("%s stopped", name)
+
+    asyncio.run(main())
+    return 0

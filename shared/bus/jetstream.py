@@ -1,0 +1,233 @@
+"""Connecting to NATS, declaring the streams, publishing, and consuming with care.
+
+Consumers follow three rules:
+- a message is acked only after the handler has committed its effect, so a crash
+  before commit means redelivery, never loss;
+- handlers are idempotent (event ids derived from command ids; projection
+  positions), so a redelivery never doubles an effect;
+- a message that cannot be parsed, has an unknown type or fails validation is
+  moved to the dead-letter stream with the reason, and the consumer goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+from pydantic import ValidationError
+
+from shared.bus import subjects as h
+from shared.bus.subjects import DUPLICATE_WINDOW_S, Subjects
+from shared.contracts.messages import Contract, Envelope, InvalidMessage, Registry, UnknownMessageType
+from shared.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+async def connect(url: str, *, name: str) -> NATS:
+    return await nats.connect(
+        url,
+        name=name,
+        connect_timeout=5,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+    )
+
+
+async def ensure_streams(js: JetStreamContext, subjects: Subjects) -> None:
+    """Declare the namespace's streams (idempotent; updates a changed configuration)."""
+    configs = [
+        StreamConfig(
+            name=subjects.events_stream,
+            subjects=[subjects.all_events],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            max_age=7 * 24 * 3600.0,
+        ),
+        StreamConfig(
+            name=subjects.commands_stream,
+            subjects=[subjects.all_commands],
+            # Each command is for exactly one handler and is gone once acked.
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            duplicate_window=DUPLICATE_WINDOW_S,
+        ),
+        StreamConfig(
+            name=subjects.dlq_stream,
+            subjects=[subjects.all_dead_letters],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=30 * 24 * 3600.0,
+        ),
+    ]
+    for config in configs:
+        try:
+            await js.stream_info(config.name)
+        except NotFoundError:
+            await js.add_stream(config)
+        else:
+            await js.update_stream(config)
+
+
+async def publish(
+    js: JetStreamContext,
+    subject: str,
+    envelope: Envelope,
+    telemetry: Telemetry,
+    *,
+    extra_headers: dict[str, str] | None = None,
+) -> bool:
+    """Publish an envelope; JetStream drops a repeat of the same id. Returns False for a duplicate."""
+    headers = {
+        h.MSG_ID: str(envelope.id),
+        h.TYPE: envelope.type,
+        h.VERSION: str(envelope.version),
+        **(extra_headers or {}),
+    }
+    if envelope.position is not None:
+        headers[h.POSITION] = str(envelope.position)
+    if not any(k.lower() == "traceparent" for k in headers):
+        telemetry.inject(headers)
+    ack = await js.publish(subject, envelope.model_dump_json().encode(), headers=headers)
+    return not ack.duplicate
+
+
+Handler = Callable[[Envelope, Contract], Awaitable[None]]
+
+
+@dataclass
+class ConsumerStats:
+    handled: int = 0
+    dead_lettered: int = 0
+    retried: int = 0
+
+
+class Consumer:
+    """A durable pull consumer: fetch, validate, handle, ack after the effect is committed."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        subjects: Subjects,
+        *,
+        stream: str,
+        durable: str,
+        filter_subject: str,
+        registry: Registry,
+        handler: Handler,
+        telemetry: Telemetry,
+        max_deliver: int = 5,
+        ack_wait_s: float = 30.0,
+        batch: int = 64,
+        deliver_new_only: bool = False,
+    ) -> None:
+        self.js = js
+        self.subjects = subjects
+        self.stream = stream
+        self.durable = durable
+        self.filter_subject = filter_subject
+        self.registry = registry
+        self.handler = handler
+        self.telemetry = telemetry
+        self.max_deliver = max_deliver
+        self.ack_wait_s = ack_wait_s
+        self.batch = batch
+        self.deliver_new_only = deliver_new_only
+        self.stats = ConsumerStats()
+        self._sub: JetStreamContext.PullSubscription | None = None
+
+    async def start(self) -> None:
+        config = ConsumerConfig(
+            durable_name=self.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s,
+            # Redelivery stays in our hands: after max_deliver failures the
+            # message goes to the dead-letter stream instead of vanishing.
+            max_deliver=-1,
+            filter_subject=self.filter_subject,
+            deliver_policy=DeliverPolicy.NEW if self.deliver_new_only else DeliverPolicy.ALL,
+        )
+        try:
+            self._sub = await self.js.pull_subscribe(
+                self.filter_subject, durable=self.durable, stream=self.stream, config=config
+            )
+        except BadRequestError:
+            # The consumer exists with an older configuration: bind to it as it is.
+            self._sub = await self.js.pull_subscribe_bind(self.durable, self.stream)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        if self._sub is None:
+            await self.start()
+        assert self._sub is not None
+        while not stop.is_set():
+            try:
+                messages = await self._sub.fetch(self.batch, timeout=0.5)
+            except NatsTimeout:
+                continue
+            except Exception:  # connection trouble: nats-py reconnects; back off briefly
+                if stop.is_set():
+                    break
+                log.exception("%s: fetch failed", self.durable)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in messages:
+                await self.handle(msg)
+
+    async def handle(self, msg: Msg) -> None:
+        try:
+            envelope = Envelope.model_validate_json(msg.data)
+        except (ValidationError, ValueError) as exc:
+            await self.dead_letter(msg, f"unparseable message: {_first_line(exc)}")
+            return
+        try:
+            contract = self.registry.decode(envelope)
+        except UnknownMessageType as exc:
+            await self.dead_letter(msg, str(exc))
+            return
+        except (InvalidMessage, ValueError) as exc:
+            await self.dead_letter(msg, f"invalid {envelope.type}: {_first_line(exc)}")
+            return
+
+        with self.telemetry.consume_span(f"{self.durable} {envelope.type}", msg.headers or {}):
+            try:
+                await self.handler(envelope, contract)
+            except Exception as exc:
+                delivered = msg.metadata.num_delivered if msg.metadata else 1
+                if delivered >= self.max_deliver:
+                    await self.dead_letter(msg, f"handler failed {delivered} times: {exc!r}")
+                else:
+                    self.stats.retried += 1
+                    log.warning("%s: %s failed (delivery %d), will retry: %r", self.durable, envelope.type, delivered, exc)
+                    await msg.nak(delay=min(0.2 * 2**delivered, 5.0))
+                return
+        await msg.ack()
+        self.stats.handled += 1
+
+    async def dead_letter(self, msg: Msg, reason: str) -> None:
+        """Keep the message with its reason, then stop its redelivery."""
+        headers = {
+            h.DLQ_REASON: reason[:4000],
+            h.DLQ_SUBJECT: msg.subject,
+            h.DLQ_CONSUMER: self.durable,
+        }
+        if msg.metadata:
+            headers[h.DLQ_SEQUENCE] = str(msg.metadata.sequence.stream)
+            headers[h.MSG_ID] = f"dlq:{self.stream}:{msg.metadata.sequence.stream}"
+        await self.js.publish(self.subjects.dead_letter(self.durable), msg.data, headers=headers)
+        await msg.term()
+        self.stats.dead_lettered += 1
+        log.error("%s: dead-lettered message on %s: %s", self.durable, msg.subject, reason)
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -1,0 +1,97 @@
+"""The outbox relay: committed events from the log to the bus, in position order.
+
+Postgres is the source of truth, and the events table is the outbox: an event
+exists for the bus only once its transaction has committed. The relay publishes
+each event with `Nats-Msg-Id` = event id, then records how far it got. If it dies
+between the two, it publishes the tail again after restart and JetStream drops
+the repeats inside its duplicate window; beyond that window consumers are
+idempotent by event id / position anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import asyncpg
+from nats.js import JetStreamContext
+
+from shared.bus.jetstream import publish
+from shared.bus.subjects import Subjects
+from shared.eventlog.store import EventStore
+from shared.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+TRACKING_NAME = "relay"
+
+
+class Relay:
+    def __init__(
+        self,
+        store: EventStore,
+        js: JetStreamContext,
+        subjects: Subjects,
+        telemetry: Telemetry,
+        *,
+        listen_dsn: str,
+        schema: str,
+        batch: int = 500,
+        poll_interval_s: float = 1.0,
+    ) -> None:
+        self.store = store
+        self.js = js
+        self.subjects = subjects
+        self.telemetry = telemetry
+        self.listen_dsn = listen_dsn
+        self.schema = schema
+        self.batch = batch
+        self.poll_interval_s = poll_interval_s
+        self.position = 0
+        self.published = 0
+        self._wake = asyncio.Event()
+
+    async def _load_position(self, conn: asyncpg.Connection) -> int:
+        value = await conn.fetchval("SELECT position FROM tracking WHERE name = $1", TRACKING_NAME)
+        return int(value or 0)
+
+    async def _save_position(self, conn: asyncpg.Connection, position: int) -> None:
+        await conn.execute(
+            "INSERT INTO tracking (name, position, updated_at) VALUES ($1, $2, now())"
+            " ON CONFLICT (name) DO UPDATE SET position = EXCLUDED.position, updated_at = now()",
+            TRACKING_NAME,
+            position,
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        conn = await asyncpg.connect(self.listen_dsn, server_settings={"search_path": self.schema})
+        try:
+            # LISTEN before reading the position, so no commit can slip between the two unseen.
+            await conn.add_listener(self.store.notify_channel, lambda *_: self._wake.set())
+            self.position = await self._load_position(conn)
+            log.info("relay starting after position %d", self.position)
+            stop_wait = asyncio.ensure_future(stop.wait())
+            try:
+                while not stop.is_set():
+                    if await self.relay_once(conn):
+                        continue
+                    self._wake.clear()
+                    wake_wait = asyncio.ensure_future(self._wake.wait())
+                    await asyncio.wait({wake_wait, stop_wait}, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
+                    wake_wait.cancel()
+            finally:
+                stop_wait.cancel()
+        finally:
+            await conn.close()
+
+    async def relay_once(self, conn: asyncpg.Connection) -> int:
+        """Publish the next batch of committed events; return how many."""
+        batch = await self.store.read_after_with_headers(self.position, self.batch)
+        for envelope, headers in batch:
+            subject = self.subjects.event(envelope.stream_id or "", envelope.type)
+            await publish(self.js, subject, envelope, self.telemetry, extra_headers=headers)
+        if batch:
+            self.position = batch[-1][0].position or self.position
+            await self._save_position(conn, self.position)
+            self.published += len(batch)
+        return len(batch)

@@ -1,0 +1,1 @@
+"""Contracts defined once: states, backends, configuration, events, commands."""

@@ -1,0 +1,198 @@
+"""Pool configuration: aliases (seed 000 §12.2) and policy defaults (seed 000 §11).
+
+A pool file is YAML:
+
+    policy:                  # optional; any of the HYBRID_* / LLAMA_* / VLLM_* keys
+      HYBRID_ALPHA: 0.7
+    aliases:
+      - alias: qwen3-vl-2b
+        backends:
+          llama.cpp: {model_name: ..., model_path: ..., gpu_memory_gb: 6.0, min_replicas: 1, max_replicas: 4}
+          vllm:      {model_name: ..., model_path: ..., gpu_memory_gb: 12.0, min_replicas: 0, max_replicas: 2,
+                      max_model_len: 4096, tensor_parallel_size: 1, engine: simulator}
+
+Layers, later wins: the defaults below, the file, the environment (`HYBRID_ALPHA=0.6`),
+explicit arguments. Every error names the field and the file it came from.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shared.contracts.backends import BackendType, EngineKind
+from shared.contracts.states import RoutingState
+
+
+class ConfigError(ValueError):
+    """A configuration problem, naming the offending field and where it came from."""
+
+    def __init__(self, field: str, message: str, source: str | None = None) -> None:
+        self.field = field
+        self.source = source
+        where = f" in {source}" if source else ""
+        super().__init__(f"{field}{where}: {message}")
+
+
+class BackendConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_name: str
+    model_path: str
+    gpu_memory_gb: float = Field(ge=0)
+    min_replicas: int = Field(default=0, ge=0)
+    max_replicas: int = Field(default=1, ge=0)
+    max_model_len: int | None = Field(default=None, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    engine: EngineKind | None = None
+    """What runs this backend; defaults to the real engine. `simulator` where no GPU exists."""
+
+    @model_validator(mode="after")
+    def _replica_bounds(self) -> "BackendConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+
+class AliasConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    alias: str = Field(min_length=1)
+    routing_state: RoutingState = RoutingState.COLD
+    backends: dict[BackendType, BackendConfig]
+
+    @field_validator("backends")
+    @classmethod
+    def _not_empty(cls, backends: dict[BackendType, BackendConfig]) -> dict[BackendType, BackendConfig]:
+        if not backends:
+            raise ValueError("at least one backend is required")
+        return backends
+
+    def engine_for(self, backend: BackendType) -> EngineKind:
+        configured = self.backends[backend].engine
+        return configured or EngineKind(backend.value)
+
+
+class PolicySettings(BaseModel):
+    """Seed 000 §11 defaults for Qwen3-VL-2B. Field names are the environment names."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    HYBRID_ENABLE: bool = True
+    HYBRID_ALPHA: float = Field(default=0.7, gt=0, le=1)
+    HYBRID_BETA: float = Field(default=0.3, gt=0, le=1)
+    HYBRID_UP_CONSECUTIVE: int = Field(default=2, ge=1)
+    HYBRID_PREPARE_CONC: int = Field(default=3, ge=1)
+    HYBRID_DOWN_HOLD_S: float = Field(default=180, ge=0)
+    HYBRID_MIX_WEIGHTS: tuple[int, ...] = (20, 50, 80, 100)
+    HYBRID_VLLM_WARM_TIMEOUT_S: float = Field(default=180, gt=0)
+    LLAMA_FLOOR_REPLICAS: int = Field(default=1, ge=0)
+    LLAMA_SCALE_DOWN_COOLDOWN_S: float = Field(default=30, ge=0)
+    LLAMA_DRAIN_TIMEOUT_S: float = Field(default=120, gt=0)
+    VLLM_SLEEP_L1_IDLE_S: float = Field(default=300, ge=0)
+    VLLM_SLEEP_L2_IDLE_S: float = Field(default=900, ge=0)
+    VLLM_DELETE_IDLE_S: float = Field(default=1800, ge=0)
+
+    @field_validator("HYBRID_MIX_WEIGHTS", mode="before")
+    @classmethod
+    def _parse_weights(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(int(part) for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("HYBRID_MIX_WEIGHTS")
+    @classmethod
+    def _ramp(cls, weights: tuple[int, ...]) -> tuple[int, ...]:
+        if not weights or list(weights) != sorted(set(weights)) or not 0 < weights[0] or weights[-1] != 100:
+            raise ValueError("must be strictly increasing percentages ending at 100, e.g. 20,50,80,100")
+        return weights
+
+    @model_validator(mode="after")
+    def _idle_order(self) -> "PolicySettings":
+        if not self.VLLM_SLEEP_L1_IDLE_S <= self.VLLM_SLEEP_L2_IDLE_S <= self.VLLM_DELETE_IDLE_S:
+            raise ValueError("VLLM_SLEEP_L1_IDLE_S <= VLLM_SLEEP_L2_IDLE_S <= VLLM_DELETE_IDLE_S must hold")
+        if self.HYBRID_BETA > self.HYBRID_ALPHA:
+            raise ValueError("HYBRID_BETA (scale-down share) must not exceed HYBRID_ALPHA (scale-up share)")
+        return self
+
+
+class PoolConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    policy: PolicySettings = PolicySettings()
+    aliases: list[AliasConfig] = Field(default_factory=list)
+
+    @field_validator("aliases")
+    @classmethod
+    def _unique(cls, aliases: list[AliasConfig]) -> list[AliasConfig]:
+        names = [a.alias for a in aliases]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"alias names must be unique, repeated: {', '.join(duplicates)}")
+        return aliases
+
+    def alias(self, name: str) -> AliasConfig:
+        for alias in self.aliases:
+            if alias.alias == name:
+                return alias
+        raise KeyError(name)
+
+
+def _field_path(loc: tuple[Any, ...], data: Any) -> str:
+    """`aliases[0].backends` style path for a pydantic error location."""
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts) or "<root>"
+
+
+def _first_error(exc: ValidationError, source: str | None) -> ConfigError:
+    error = exc.errors()[0]
+    field = _field_path(tuple(error["loc"]), None)
+    message = "required field is missing" if error["type"] == "missing" else error["msg"]
+    return ConfigError(field, message, source)
+
+
+def load_policy_env(environ: Mapping[str, str]) -> dict[str, str]:
+    return {name: environ[name] for name in PolicySettings.model_fields if name in environ}
+
+
+def load_pool_config(
+    path: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> PoolConfig:
+    """Defaults, then the YAML file, then the environment, then explicit policy overrides."""
+    environ = os.environ if environ is None else environ
+    source = str(path) if path is not None else None
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError("<file>", f"cannot read: {exc.strerror}", source) from exc
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError("<file>", f"not valid YAML: {exc}", source) from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError("<root>", "must be a mapping with `aliases` (and optionally `policy`)", source)
+        data = loaded
+    policy = {**(data.get("policy") or {}), **load_policy_env(environ), **dict(overrides or {})}
+    try:
+        return PoolConfig.model_validate({**data, "policy": policy})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        from_env = first["loc"] and first["loc"][0] == "policy" and len(first["loc"]) > 1 and first["loc"][1] in environ
+        raise _first_error(exc, "the environment" if from_env else source) from None

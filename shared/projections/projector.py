@@ -1,0 +1,156 @@
+"""Keeping read models in Postgres: load, catch up from the log, rebuild.
+
+Each projection's rows and its tracking position are written in one transaction,
+so after a crash a projection is exactly at the position it says it is, and
+events at or below that position are recognised as already applied.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from shared.eventlog.store import EventStore, RawEvent
+from shared.projections.readmodels import ALL_PROJECTIONS, Projection, Rows
+
+
+def _to_db(projection: Projection, row: dict[str, Any]) -> list[Any]:
+    values = []
+    for column in projection.columns:
+        value = row.get(column)
+        if value is not None and column in projection.json_columns:
+            value = json.dumps(value, sort_keys=True)
+        elif isinstance(value, str) and column in projection.time_columns:
+            value = datetime.fromisoformat(value)
+        values.append(value)
+    return values
+
+
+def _from_db(projection: Projection, record: Any) -> dict[str, Any]:
+    row = dict(record)
+    for column in projection.json_columns:
+        if isinstance(row.get(column), str):
+            row[column] = json.loads(row[column])
+    return row
+
+
+async def _raw(conn: AsyncConnection) -> Any:
+    return (await conn.get_raw_connection()).driver_connection
+
+
+async def load_rows(conn: AsyncConnection, projection: Projection) -> Rows:
+    raw = await _raw(conn)
+    records = await raw.fetch(f"SELECT {', '.join(projection.columns)} FROM {projection.table}")
+    return {r[projection.key]: _from_db(projection, r) for r in records}
+
+
+async def load_position(conn: AsyncConnection, name: str) -> int:
+    raw = await _raw(conn)
+    value = await raw.fetchval("SELECT position FROM tracking WHERE name = $1", name)
+    return int(value or 0)
+
+
+async def write_rows(conn: AsyncConnection, projection: Projection, rows: Rows, keys: Sequence[str]) -> None:
+    """Upsert the rows for `keys` that exist and delete the ones that no longer do."""
+    raw = await _raw(conn)
+    gone = [k for k in keys if k not in rows]
+    present = [rows[k] for k in keys if k in rows]
+    if gone:
+        await raw.execute(f"DELETE FROM {projection.table} WHERE {projection.key} = ANY($1::text[])", gone)
+    if present:
+        cols = projection.columns
+        placeholders = ", ".join(f"${i}" for i in range(1, len(cols) + 1))
+        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols if c != projection.key)
+        await raw.executemany(
+            f"INSERT INTO {projection.table} ({', '.join(cols)}) VALUES ({placeholders})"
+            f" ON CONFLICT ({projection.key}) DO UPDATE SET {updates}",
+            [_to_db(projection, row) for row in present],
+        )
+
+
+async def save_position(conn: AsyncConnection, name: str, position: int) -> None:
+    raw = await _raw(conn)
+    await raw.execute(
+        "INSERT INTO tracking (name, position, updated_at) VALUES ($1, $2, now())"
+        " ON CONFLICT (name) DO UPDATE SET position = EXCLUDED.position, updated_at = now()",
+        name,
+        position,
+    )
+
+
+class Projector:
+    """Maintains every read model in the Postgres schema `engine` points at."""
+
+    def __init__(self, store: EventStore, engine: AsyncEngine, projections: Sequence[Projection] = ALL_PROJECTIONS) -> None:
+        self.store = store
+        self.engine = engine
+        self.projections = tuple(projections)
+        self.rows: dict[str, Rows] = {}
+        self.positions: dict[str, int] = {}
+
+    @property
+    def position(self) -> int:
+        return min(self.positions.values(), default=0)
+
+    async def load(self) -> None:
+        async with self.engine.connect() as conn:
+            for p in self.projections:
+                self.rows[p.name] = await load_rows(conn, p)
+                self.positions[p.name] = await load_position(conn, p.name)
+
+    async def catch_up(self, upto: int | None = None, batch: int = 5000) -> int:
+        """Apply every committed event after our position; return how many were applied."""
+        applied = 0
+        async for events in self.store.iter_raw(self.position, upto, batch):
+            if events:
+                applied += await self._apply_batch(events)
+        return applied
+
+    async def _apply_batch(self, events: list[RawEvent]) -> int:
+        touched: dict[str, dict[str, None]] = {p.name: {} for p in self.projections}
+        applied = 0
+        for event in events:
+            for p in self.projections:
+                if event.position > self.positions[p.name]:
+                    for key in p.apply(self.rows[p.name], event):
+                        touched[p.name][key] = None
+                    applied += 1
+        last = events[-1].position
+        async with self.engine.begin() as conn:
+            for p in self.projections:
+                if touched[p.name]:
+                    await write_rows(conn, p, self.rows[p.name], list(touched[p.name]))
+                if last > self.positions[p.name]:
+                    await save_position(conn, p.name, last)
+        for p in self.projections:
+            self.positions[p.name] = max(self.positions[p.name], last)
+        return applied
+
+
+async def rebuild(store: EventStore, projections: Sequence[Projection] = ALL_PROJECTIONS, upto: int | None = None) -> tuple[dict[str, Rows], int, int]:
+    """Fold the log (up to `upto`) into fresh rows in memory: (rows per projection, last position, events read)."""
+    rows: dict[str, Rows] = {p.name: {} for p in projections}
+    handled = {t: [p for p in projections if t in p.reducers] for p in projections for t in p.reducers}
+    last, count = 0, 0
+    async for events in store.iter_raw(0, upto):
+        for event in events:
+            for p in handled.get(event.type, ()):
+                p.apply(rows[p.name], event)
+        count += len(events)
+        if events:
+            last = events[-1].position
+    return rows, last, count
+
+
+async def write_all(engine: AsyncEngine, projections: Sequence[Projection], rows: dict[str, Rows], position: int) -> None:
+    """Replace the tables of `projections` with `rows`, recording `position` — one transaction."""
+    async with engine.begin() as conn:
+        raw = await _raw(conn)
+        for p in projections:
+            await raw.execute(f"DELETE FROM {p.table}")
+            await write_rows(conn, p, rows[p.name], list(rows[p.name]))
+            await save_position(conn, p.name, position)

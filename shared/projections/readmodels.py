@@ -1,0 +1,266 @@
+"""The read models, as reducers over the event log.
+
+A projection owns a dict of rows keyed by its primary key and folds events into
+it. `apply` is deterministic and does no I/O: the live projector, a rebuild, a
+service keeping a copy in memory and `modelpool replay` all run this same code,
+so a rebuild from the log is equal to the live tables by construction — and any
+difference `replay` finds means a row was changed behind the log's back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from shared.eventlog.store import RawEvent
+
+Row = dict[str, Any]
+Rows = dict[str, Row]
+
+
+@dataclass(frozen=True)
+class Projection:
+    name: str
+    table: str
+    key: str
+    columns: tuple[str, ...]
+    json_columns: frozenset[str]
+    time_columns: frozenset[str]
+    reducers: dict[str, Callable[[Rows, RawEvent], Iterable[str]]]
+
+    def apply(self, rows: Rows, event: RawEvent) -> Iterable[str]:
+        """Fold one event into `rows`; return the keys it touched (deleted keys included)."""
+        reducer = self.reducers.get(event.type)
+        return reducer(rows, event) if reducer else ()
+
+
+# --------------------------------------------------------------------------- routing
+
+
+def _routing_row(rows: Rows, alias: str, event: RawEvent) -> Row:
+    row = rows.get(alias)
+    if row is None:
+        row = rows[alias] = {
+            "alias": alias,
+            "state": "COLD",
+            "mix_weight": 0.0,
+            "switch_reason": None,
+            "switched_at": None,
+            "cooldown_until": None,
+            "targets": {},
+            "config": None,
+            "updated_at": event.occurred_at,
+        }
+    row["updated_at"] = event.occurred_at
+    return row
+
+
+def _alias_configured(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    existed = p["alias"] in rows
+    row = _routing_row(rows, p["alias"], event)
+    if not existed:
+        row["state"] = p["config"].get("routing_state", "COLD")
+    row["config"] = p["config"]
+    return (p["alias"],)
+
+
+def _routing_changed(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    row = _routing_row(rows, p["alias"], event)
+    row.update(
+        state=p["to_state"],
+        mix_weight=p["mix_weight"],
+        switch_reason=p["reason"],
+        switched_at=event.occurred_at,
+        cooldown_until=p.get("cooldown_until"),
+    )
+    return (p["alias"],)
+
+
+def _mix_weight_changed(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    _routing_row(rows, p["alias"], event)["mix_weight"] = p["to_weight"]
+    return (p["alias"],)
+
+
+def _targets_changed(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    _routing_row(rows, p["alias"], event)["targets"] = dict(p["targets"])
+    return (p["alias"],)
+
+
+ROUTING = Projection(
+    name="routing",
+    table="proj_routing",
+    key="alias",
+    columns=("alias", "state", "mix_weight", "switch_reason", "switched_at", "cooldown_until", "targets", "config", "updated_at"),
+    json_columns=frozenset({"targets", "config"}),
+    time_columns=frozenset({"switched_at", "cooldown_until", "updated_at"}),
+    reducers={
+        "AliasConfigured": _alias_configured,
+        "RoutingStateChanged": _routing_changed,
+        "MixWeightChanged": _mix_weight_changed,
+        "ScalingTargetsChanged": _targets_changed,
+    },
+)
+
+
+# --------------------------------------------------------------------------- instances
+
+
+def _instance_state(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    key = p["instance_id"]
+    if p["to_state"] == "ABSENT":
+        # Seed 000 §4.2: a deleted instance leaves the instance table; no "stopped" ghosts.
+        rows.pop(key, None)
+        return (key,)
+    row = rows.get(key)
+    if row is None:
+        row = rows[key] = {"instance_id": key, "inflight": 0}
+    row.update(
+        alias=p["alias"],
+        backend_type=p["backend_type"],
+        engine=p["engine"],
+        worker_id=p["worker_id"],
+        state=p["to_state"],
+        sleep_level=p.get("sleep_level", 0),
+        capacity=p.get("capacity", row.get("capacity")),
+        endpoint=p.get("endpoint") or row.get("endpoint"),
+        reason=p["reason"],
+        updated_at=event.occurred_at,
+    )
+    if p["to_state"] in ("STARTING", "ERROR", "DELETING"):
+        row["inflight"] = 0
+    return (key,)
+
+
+def _instance_load(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    row = rows.get(p["instance_id"])
+    if row is None:  # a late report about an instance already gone
+        return ()
+    row["inflight"] = p["inflight"]
+    if p.get("capacity") is not None:
+        row["capacity"] = p["capacity"]
+    row["updated_at"] = event.occurred_at
+    return (p["instance_id"],)
+
+
+INSTANCES = Projection(
+    name="instances",
+    table="proj_instances",
+    key="instance_id",
+    columns=(
+        "instance_id",
+        "alias",
+        "backend_type",
+        "engine",
+        "worker_id",
+        "state",
+        "sleep_level",
+        "inflight",
+        "capacity",
+        "endpoint",
+        "reason",
+        "updated_at",
+    ),
+    json_columns=frozenset(),
+    time_columns=frozenset({"updated_at"}),
+    reducers={"InstanceStateChanged": _instance_state, "InstanceLoadReported": _instance_load},
+)
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+def _session_bound(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    rows[p["session_id"]] = {
+        "session_id": p["session_id"],
+        "alias": p["alias"],
+        "instance_id": p["instance_id"],
+        "bound_at": event.occurred_at,
+        "last_migrated_at": None,
+        "migrations": 0,
+    }
+    return (p["session_id"],)
+
+
+def _session_migrated(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    row = rows.get(p["session_id"])
+    if row is None:
+        row = rows[p["session_id"]] = {
+            "session_id": p["session_id"],
+            "alias": p["alias"],
+            "bound_at": event.occurred_at,
+            "migrations": 0,
+        }
+    row.update(instance_id=p["to_instance_id"], last_migrated_at=event.occurred_at, migrations=row["migrations"] + 1)
+    return (p["session_id"],)
+
+
+def _session_released(rows: Rows, event: RawEvent) -> Iterable[str]:
+    rows.pop(event.payload["session_id"], None)
+    return (event.payload["session_id"],)
+
+
+SESSIONS = Projection(
+    name="sessions",
+    table="proj_sessions",
+    key="session_id",
+    columns=("session_id", "alias", "instance_id", "bound_at", "last_migrated_at", "migrations"),
+    json_columns=frozenset(),
+    time_columns=frozenset({"bound_at", "last_migrated_at"}),
+    reducers={"SessionBound": _session_bound, "SessionMigrated": _session_migrated, "SessionReleased": _session_released},
+)
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _worker_registered(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    rows[p["worker_id"]] = {
+        "worker_id": p["worker_id"],
+        "host": p["host"],
+        "gpu_memory_gb": float(p["gpu_memory_gb"]),
+        "slots": p["slots"],
+        "engines": list(p["engines"]),
+        "status": "up",
+        "reason": None,
+        "registered_at": event.occurred_at,
+        "updated_at": event.occurred_at,
+    }
+    return (p["worker_id"],)
+
+
+def _worker_gone(status: str) -> Callable[[Rows, RawEvent], Iterable[str]]:
+    def reduce(rows: Rows, event: RawEvent) -> Iterable[str]:
+        row = rows.get(event.payload["worker_id"])
+        if row is None:
+            return ()
+        row.update(status=status, reason=event.payload["reason"], updated_at=event.occurred_at)
+        return (event.payload["worker_id"],)
+
+    return reduce
+
+
+WORKERS = Projection(
+    name="workers",
+    table="proj_workers",
+    key="worker_id",
+    columns=("worker_id", "host", "gpu_memory_gb", "slots", "engines", "status", "reason", "registered_at", "updated_at"),
+    json_columns=frozenset({"engines"}),
+    time_columns=frozenset({"registered_at", "updated_at"}),
+    reducers={
+        "WorkerRegistered": _worker_registered,
+        "WorkerDeregistered": _worker_gone("stopped"),
+        "WorkerLost": _worker_gone("lost"),
+    },
+)
+
+ALL_PROJECTIONS: tuple[Projection, ...] = (ROUTING, INSTANCES, SESSIONS, WORKERS)

@@ -1,0 +1,205 @@
+"""Contracts: lifecycle transitions, capabilities, configuration errors, envelopes and upcasting."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from pydantic import ValidationError
+
+from shared.contracts.backends import Action, BackendType, EngineKind, engine_label, substitute, supports
+from shared.contracts.commands import SleepInstance, StartInstance, command_registry
+from shared.contracts.config import ConfigError, PolicySettings, load_pool_config
+from shared.contracts.events import InstanceStateChanged, RoutingStateChanged, event_registry
+from shared.contracts.messages import Contract, Envelope, Event, InvalidMessage, Registry, derived_id
+from shared.contracts.states import (
+    IllegalTransition,
+    InstanceState as I,
+    RoutingState as R,
+    check_instance_transition,
+    check_routing_transition,
+)
+from shared.settings import Settings
+
+LLAMA, VLLM = BackendType.LLAMA_CPP, BackendType.VLLM
+
+
+@pytest.mark.parametrize(
+    "backend,path",
+    [
+        (LLAMA, [I.ABSENT, I.STARTING, I.RUNNING, I.DRAINING, I.DELETING, I.ABSENT]),
+        (VLLM, [I.ABSENT, I.STARTING, I.RUNNING, I.SLEEP_1, I.SLEEP_2, I.RUNNING, I.SLEEP_1, I.SLEEP_2, I.DRAINING, I.DELETING, I.ABSENT]),
+        (VLLM, [I.ABSENT, I.STARTING, I.RUNNING, I.ERROR, I.STARTING, I.RUNNING]),
+    ],
+)
+def test_lifecycles_of_seed_000_are_legal(backend, path):
+    for a, b in zip(path, path[1:]):
+        check_instance_transition(backend, a, b)
+
+
+@pytest.mark.parametrize(
+    "backend,a,b",
+    [
+        (LLAMA, I.RUNNING, I.SLEEP_1),  # llama.cpp has no graded sleep
+        (LLAMA, I.SLEEP_1, I.RUNNING),
+        (VLLM, I.ABSENT, I.RUNNING),  # must start first
+        (VLLM, I.RUNNING, I.ABSENT),  # must drain and delete
+        (VLLM, I.DELETING, I.RUNNING),
+        (VLLM, I.STARTING, I.SLEEP_1),
+        (LLAMA, I.DRAINING, I.RUNNING),
+    ],
+)
+def test_illegal_instance_transition_is_refused_naming_both_states(backend, a, b):
+    with pytest.raises(IllegalTransition) as err:
+        check_instance_transition(backend, a, b)
+    assert a.value in str(err.value) and b.value in str(err.value)
+
+
+def test_illegal_transition_cannot_even_be_expressed_as_an_event():
+    with pytest.raises(ValidationError, match="RUNNING -> SLEEP_1"):
+        InstanceStateChanged(
+            instance_id="i1", alias="a", backend_type=LLAMA, engine=EngineKind.LLAMA_CPP, worker_id="w1",
+            from_state=I.RUNNING, to_state=I.SLEEP_1, reason="idle",
+        )
+
+
+def test_routing_transitions():
+    for a, b in [(R.COLD, R.FAST_ONLY), (R.FAST_ONLY, R.WARMING_VLLM), (R.WARMING_VLLM, R.MIXED), (R.MIXED, R.VLLM_PRIMARY),
+                 (R.VLLM_PRIMARY, R.FAST_ONLY), (R.MIXED, R.DEGRADED_FAST), (R.DEGRADED_FAST, R.WARMING_VLLM)]:
+        check_routing_transition(a, b)
+    with pytest.raises(IllegalTransition, match="COLD -> VLLM_PRIMARY"):
+        check_routing_transition(R.COLD, R.VLLM_PRIMARY)
+    with pytest.raises(ValidationError, match="FAST_ONLY -> MIXED"):
+        RoutingStateChanged(alias="a", from_state=R.FAST_ONLY, to_state=R.MIXED, reason="x", mix_weight=0.2, policy="p")
+
+
+def test_capability_matrix():
+    assert supports(VLLM, Action.SLEEP) and supports(VLLM, Action.WAKE)
+    assert not supports(LLAMA, Action.SLEEP) and not supports(LLAMA, Action.WAKE)
+    assert substitute(LLAMA, Action.SLEEP) == (Action.DRAIN, Action.DELETE)
+    assert substitute(LLAMA, Action.WAKE) == ()
+    assert engine_label(EngineKind.SIMULATOR, VLLM) == "simulated-vllm"
+    assert engine_label(EngineKind.LLAMA_CPP, LLAMA) == "llama.cpp"
+
+
+def test_instance_commands_require_backend_type():
+    with pytest.raises(ValidationError, match="backend_type"):
+        SleepInstance(instance_id="i1", alias="a", worker_id="w1", level=1)
+    with pytest.raises(ValidationError, match="worker_id"):
+        SleepInstance(instance_id="i1", alias="a", backend_type=VLLM, worker_id="w.1", level=1)
+
+
+GOOD = """
+policy:
+  HYBRID_ALPHA: 0.65
+aliases:
+  - alias: qwen3-vl-2b
+    backends:
+      llama.cpp: {model_name: q, model_path: /m/q.gguf, gpu_memory_gb: 6.0, min_replicas: 1, max_replicas: 4}
+      vllm: {model_name: q, model_path: /m/q, gpu_memory_gb: 12.0, max_replicas: 2, max_model_len: 4096, engine: simulator}
+"""
+
+
+def test_pool_config_layers(tmp_path):
+    path = tmp_path / "pool.yaml"
+    path.write_text(GOOD)
+    config = load_pool_config(path, environ={"HYBRID_UP_CONSECUTIVE": "3", "HYBRID_MIX_WEIGHTS": "25,100"})
+    assert config.policy.HYBRID_ALPHA == 0.65  # file over default
+    assert config.policy.HYBRID_UP_CONSECUTIVE == 3  # environment over default
+    assert config.policy.HYBRID_MIX_WEIGHTS == (25, 100)
+    assert config.policy.VLLM_SLEEP_L2_IDLE_S == 900  # seed 000 §11 default
+    alias = config.alias("qwen3-vl-2b")
+    assert alias.engine_for(VLLM) is EngineKind.SIMULATOR and alias.engine_for(LLAMA) is EngineKind.LLAMA_CPP
+    overridden = load_pool_config(path, environ={"HYBRID_ALPHA": "0.6"}, overrides={"HYBRID_ALPHA": 0.75})
+    assert overridden.policy.HYBRID_ALPHA == 0.75  # explicit over environment
+
+
+@pytest.mark.parametrize(
+    "text,field",
+    [
+        ("aliases:\n  - alias: a\n", "aliases[0].backends"),
+        ("aliases:\n  - alias: a\n    backends: {}\n", "aliases[0].backends"),
+        ("aliases:\n  - alias: a\n    backends:\n      tgi: {model_name: m, model_path: p, gpu_memory_gb: 1}\n", "aliases[0].backends.tgi"),
+        ("aliases:\n  - alias: a\n    backends:\n      vllm: {model_name: m, gpu_memory_gb: 1}\n", "aliases[0].backends.vllm.model_path"),
+        ("aliases:\n  - alias: a\n    backends:\n      vllm: {model_name: m, model_path: p, gpu_memory_gb: 1, min_replicas: 3, max_replicas: 1}\n", "aliases[0].backends.vllm"),
+        ("policy:\n  HYBRID_ALPHA: 2\n", "policy.HYBRID_ALPHA"),
+        ("policy:\n  HYBRID_ALPHAA: 0.5\n", "policy.HYBRID_ALPHAA"),
+    ],
+)
+def test_config_errors_name_the_field_and_the_file(tmp_path, text, field):
+    path = tmp_path / "pool.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_pool_config(path, environ={})
+    assert err.value.field.startswith(field)
+    assert str(path) in str(err.value)
+
+
+def test_config_error_from_environment_names_it():
+    with pytest.raises(ConfigError) as err:
+        load_pool_config(None, environ={"HYBRID_MIX_WEIGHTS": "50,20"})
+    assert err.value.field == "policy.HYBRID_MIX_WEIGHTS" and "environment" in str(err.value)
+    with pytest.raises(ConfigError, match="MODELPOOL_NAMESPACE"):
+        Settings.load({"MODELPOOL_NAMESPACE": "Bad-Name"})
+
+
+def test_policy_defaults_are_seed_000_section_11():
+    p = PolicySettings()
+    assert (p.HYBRID_ALPHA, p.HYBRID_BETA, p.HYBRID_UP_CONSECUTIVE, p.HYBRID_PREPARE_CONC) == (0.7, 0.3, 2, 3)
+    assert (p.HYBRID_DOWN_HOLD_S, p.HYBRID_MIX_WEIGHTS, p.HYBRID_VLLM_WARM_TIMEOUT_S) == (180, (20, 50, 80, 100), 180)
+    assert (p.LLAMA_FLOOR_REPLICAS, p.LLAMA_SCALE_DOWN_COOLDOWN_S, p.LLAMA_DRAIN_TIMEOUT_S) == (1, 30, 120)
+    assert (p.VLLM_SLEEP_L1_IDLE_S, p.VLLM_SLEEP_L2_IDLE_S, p.VLLM_DELETE_IDLE_S) == (300, 900, 1800)
+
+
+def test_envelope_correlation_and_derived_ids():
+    cmd = Envelope.wrap(StartInstance(instance_id="i1", alias="a", backend_type=VLLM, worker_id="w1", engine=EngineKind.SIMULATOR,
+                                      model_name="m", model_path="p", gpu_memory_gb=1))
+    assert cmd.correlation_id == cmd.id and cmd.causation_id is None
+    effect = Envelope.wrap(
+        InstanceStateChanged(instance_id="i1", alias="a", backend_type=VLLM, engine=EngineKind.SIMULATOR, worker_id="w1",
+                             from_state=I.ABSENT, to_state=I.STARTING, reason="start"),
+        id=derived_id(cmd.id, "starting"), causation=cmd,
+    )
+    assert effect.causation_id == cmd.id and effect.correlation_id == cmd.id and effect.stream_id == "instance:i1"
+    assert derived_id(cmd.id, "starting") == effect.id != derived_id(cmd.id, "running")
+    assert isinstance(command_registry().decode(cmd), StartInstance)
+
+
+def test_old_versions_are_upcast_on_read():
+    class PingV1(Event):
+        TYPE, VERSION, CATEGORY = "Ping", 1, "test"
+        who: str
+
+        def stream_key(self) -> str:
+            return self.who
+
+    class Ping(Event):  # v3: `who` renamed to `name` in v2, `count` added in v3
+        TYPE, VERSION, CATEGORY = "Ping", 3, "test"
+        name: str
+        count: int
+
+        def stream_key(self) -> str:
+            return self.name
+
+    registry = Registry([Ping])
+    registry.upcaster("Ping", 1)(lambda p: {"name": p["who"]})
+    registry.upcaster("Ping", 2)(lambda p: {**p, "count": 1})
+    old = Envelope.wrap(PingV1(who="x"))
+    assert old.version == 1
+    decoded = registry.decode(old)
+    assert isinstance(decoded, Ping) and decoded.name == "x" and decoded.count == 1
+
+    future = old.model_copy(update={"version": 4})
+    with pytest.raises(InvalidMessage, match="newer"):
+        registry.decode(future)
+    with pytest.raises(InvalidMessage, match="no upcaster"):
+        Registry([Ping]).decode(old)
+
+
+def test_every_contract_type_is_unique_and_registered():
+    events, commands = event_registry(), command_registry()
+    assert events.known("RoutingStateChanged") and commands.known("StartInstance")
+    with pytest.raises(ValueError, match="two contracts"):
+        class Other(Contract):
+            TYPE = "StartInstance"
+        Registry([StartInstance, Other])
