@@ -1,0 +1,309 @@
+"""Benchmark: the decode simulator's speed and the simulated engine's capacity on one core.
+
+Part 1, simulator speed (no HTTP): the default seed-002 config (`simulation/configs`)
+at arrival rate x1 and x100 (memory and budget scaled with it), batches/s and
+requests/s of `DecodeSystem`, and batches/s as the number of RUNNING requests grows.
+
+Part 2, engine capacity: `modelpool engine sim --profile vllm` with its default
+timing (d_0 = 12 ms, d_1 = 40 us per token) runs in a subprocess pinned to CPU 0;
+this process, pinned to CPU 1, holds N raw HTTP streams (`ignore_eos`, long
+answers) and ramps N. At each level it measures, over a window:
+
+- tokens/s received by the clients;
+- the engine's own drift: wall time / scheduled batch time - 1 (from /sim/status);
+- the client-observed drift: scheduled inter-token time / observed one - 1, i.e.
+  how far the streams' pace falls behind what the decode model scheduled.
+
+The engine holds a level while both drifts stay within 5 %. The peer named for
+comparison is the decode model itself: the ratio reported is observed tokens/s
+over the tokens/s the model scheduled at that level.
+
+    .venv/bin/python bench/sim.py [--levels 100,250,...] [--window 3]
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DRIFT_LIMIT = 0.05
+TOKEN_MARK = b'"text":"'
+
+
+# --------------------------------------------------------------------------- engine capacity
+
+
+class StreamCounter(asyncio.Protocol):
+    """One raw HTTP/1.1 streaming request; counts token events without parsing JSON."""
+
+    def __init__(self, request: bytes) -> None:
+        self.request = request
+        self.tokens = 0
+        self.closed = False
+        self._tail = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._tail + data
+        self.tokens += buf.count(TOKEN_MARK)
+        self._tail = buf[-(len(TOKEN_MARK) - 1):]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+
+
+def stream_request(port: int, i: int, model: str) -> bytes:
+    body = json.dumps({
+        "model": model, "prompt": f"benchmark stream {i}: tell a long story", "max_tokens": 30000,
+        "ignore_eos": True, "stream": True,
+    }).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    return head + body
+
+
+@dataclass
+class Level:
+    streams: int
+    client_tokens_per_s: float
+    scheduled_tokens_per_s: float
+    engine_drift: float
+    client_drift: float
+    engine_cpu: float
+    client_cpu: float
+    batches_per_s: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def holds(self) -> bool:
+        return self.engine_drift <= DRIFT_LIMIT and self.client_drift <= DRIFT_LIMIT
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def ramp(port: int, pid: int, levels: list[int], warmup: float, window: float, model: str) -> list[Level]:
+    loop = asyncio.get_running_loop()
+    streams: list[StreamCounter] = []
+    results: list[Level] = []
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+        for n in tqdm(levels, desc="engine streams", unit="level"):
+            while len(streams) < n:
+                batch = []
+                for _ in range(min(100, n - len(streams))):
+                    proto = StreamCounter(stream_request(port, len(streams) + len(batch), model))
+                    batch.append(loop.create_connection(lambda p=proto: p, "127.0.0.1", port))
+                    streams.append(proto)
+                await asyncio.gather(*batch)
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(warmup)
+            s0 = (await http.get("/sim/status")).json()
+            t0, tok0, e0, c0 = time.perf_counter(), sum(s.tokens for s in streams), _cpu_seconds(pid), _own_cpu()
+            await asyncio.sleep(window)
+            s1 = (await http.get("/sim/status")).json()
+            t1, tok1, e1, c1 = time.perf_counter(), sum(s.tokens for s in streams), _cpu_seconds(pid), _own_cpu()
+            wall = t1 - t0
+            scheduled = s1["scheduled_wall_s"] - s0["scheduled_wall_s"]
+            batches = s1["batches"] - s0["batches"]
+            running = s1["requests"]["running"]
+            scheduled_itl = scheduled / batches if batches else float("inf")
+            client_tps = (tok1 - tok0) / wall
+            scheduled_tps = running / scheduled_itl if batches else 0.0
+            level = Level(
+                streams=n,
+                client_tokens_per_s=client_tps,
+                scheduled_tokens_per_s=scheduled_tps,
+                engine_drift=wall / scheduled - 1 if scheduled else float("inf"),
+                client_drift=scheduled_tps / client_tps - 1 if client_tps else float("inf"),
+                engine_cpu=(e1 - e0) / wall,
+                client_cpu=(c1 - c0) / wall,
+                batches_per_s=batches / wall,
+                extra={"running": running, "closed_streams": sum(s.closed for s in streams),
+                       "scheduled_itl_ms": scheduled_itl * 1000},
+            )
+            results.append(level)
+            tqdm.write(
+                f"  {n:5d} streams: {client_tps:9.0f} tok/s received, {scheduled_tps:9.0f} scheduled, "
+                f"engine drift {level.engine_drift:+.1%}, client drift {level.client_drift:+.1%}, "
+                f"engine cpu {level.engine_cpu:.0%}, client cpu {level.client_cpu:.0%}, "
+                f"ITL {scheduled_itl * 1000:.1f} ms"
+            )
+            if not level.holds:
+                break
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_capacity(levels: list[int], warmup: float, window: float) -> tuple[list[Level], list[str]]:
+    port = _free_port()
+    model = "bench-sim"
+    cmd = [
+        sys.executable, "-m", "services.cli", "engine", "sim", "--profile", "vllm", "--port", str(port),
+        "--model", model, "--startup-s", "0", "--max-num-seqs", "100000", "--kv-cache-tokens", "200000000",
+        "--max-model-len", "32768", "--no-prefix-caching",
+    ]
+    pinned = ["taskset", "-c", "0", *cmd]
+    proc = subprocess.Popen(pinned, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"engine did not start: {proc.stderr.read().decode() if proc.stderr else ''}")
+            time.sleep(0.1)
+        if hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() > 1:
+            os.sched_setaffinity(0, {1})
+        try:
+            import uvloop
+
+            runner = uvloop.run
+        except ImportError:  # pragma: no cover
+            runner = asyncio.run
+        return runner(ramp(port, proc.pid, levels, warmup, window, model)), pinned
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--levels", default="100,250,500,750,1000,1250,1500,2000,2500,3000",
+                    help="concurrent streams per ramp step")
+    ap.add_argument("--warmup", type=float, default=1.5)
+    ap.add_argument("--window", type=float, default=3.0)
+    ap.add_argument("--skip-sim", action="store_true", help="only the engine capacity part")
+    args = ap.parse_args(argv)
+
+    out: dict[str, object] = {}
+    if not args.skip_sim:
+        out.update(simulator_speed())
+
+    levels = [int(x) for x in args.levels.split(",")]
+    ramp_levels, cmd = engine_capacity(levels, args.warmup, args.window)
+    held = [lv for lv in ramp_levels if lv.holds]
+    best = held[-1] if held else None
+    out["engine_max_streams"] = best.streams if best else 0
+    out["engine_tokens_per_s"] = round(best.client_tokens_per_s) if best else 0
+    out["engine_vs_schedule_ratio"] = (
+        round(best.client_tokens_per_s / best.scheduled_tokens_per_s, 3) if best else 0.0)
+    out["engine_first_failing_level"] = next((lv.streams for lv in ramp_levels if not lv.holds), None)
+    out["engine_ramp"] = [
+        {"streams": lv.streams, "tokens_per_s": round(lv.client_tokens_per_s),
+         "scheduled_tokens_per_s": round(lv.scheduled_tokens_per_s),
+         "engine_drift": round(lv.engine_drift, 4), "client_drift": round(lv.client_drift, 4),
+         "engine_cpu": round(lv.engine_cpu, 3), "client_cpu": round(lv.client_cpu, 3),
+         "itl_ms": round(lv.extra["scheduled_itl_ms"], 2)}
+        for lv in ramp_levels
+    ]
+    out["engine_command"] = " ".join(["taskset", "-c", "0", "python", *cmd[cmd.index("-m"):]])
+    print(json.dumps(out))
+    return 0
+
+
+# --------------------------------------------------------------------------- simulator speed
+
+
+def _run_default(scale: int, n: int) -> dict[str, float]:
+    """The default seed-002 config with arrivals x`scale` (M_total and B scaled too), timed."""
+    from simulation.config import DEFAULT_CONFIG, load_config
+    from simulation.core import DecodeSystem
+    from simulation.runner import run_until_idle
+    from simulation.workload import generate, to_requests
+
+    cfg = load_config(DEFAULT_CONFIG)
+    base = cfg.params()
+    params = type(base)(**{**base.__dict__, "M_total": base.M_total * scale, "B": base.B * scale})
+    specs = generate(n, DEFAULT_RATE * scale, seed=cfg.experiment.seed)
+    requests = to_requests(specs)
+    system = DecodeSystem(params)
+    running: list[int] = []
+    t = time.perf_counter()
+    run_until_idle(system, requests, on_step=lambda r: running.append(r.running))
+    elapsed = time.perf_counter() - t
+    return {"scale": scale, "requests": n, "batches": system.batches, "seconds": round(elapsed, 3),
+            "batches_per_s": round(system.batches / elapsed), "requests_per_s": round(n / elapsed),
+            "mean_running": round(sum(running) / max(1, len(running)), 1)}
+
+
+def _batches_with_running(r: int, batches: int = 400) -> float:
+    """Batches/s with exactly `r` requests RUNNING for the whole measurement."""
+    from simulation.core import DecodeSystem, SimRequest, SystemParams
+
+    system = DecodeSystem(SystemParams(M_total=10**9, B=10**9, d_0=1.0, d_1=0.001))
+    for i in range(r):
+        system.add(SimRequest(f"r{i}", 0.0, 100, 10**6))
+    now = 0.0
+    system.step(now)  # admission
+    t = time.perf_counter()
+    for _ in range(batches):
+        now = system.step(now).end_time
+    return batches / (time.perf_counter() - t)
+
+
+DEFAULT_RATE = 0.08  # `modelpool sim generate` default: requests per batch-time unit
+
+
+def simulator_speed() -> dict[str, object]:
+    runs = [_run_default(1, 2000), _run_default(100, 50000)]
+    for run in runs:
+        tqdm.write(f"  simulator x{run['scale']}: {run['batches_per_s']} batches/s, "
+                   f"{run['requests_per_s']} requests/s, mean running {run['mean_running']}")
+    scaling = {}
+    for r in tqdm([10, 100, 1000, 10000], desc="simulator scaling", unit="level"):
+        scaling[r] = round(_batches_with_running(r, batches=2000 if r <= 100 else 200))
+    return {
+        "sim_batches_per_s": runs[0]["batches_per_s"],
+        "sim_requests_per_s": runs[0]["requests_per_s"],
+        "sim_x100_batches_per_s": runs[1]["batches_per_s"],
+        "sim_x100_requests_per_s": runs[1]["requests_per_s"],
+        "sim_runs": runs,
+        "sim_batches_per_s_by_running": scaling,
+        "sim_source": "bench/sim.py direct DecodeSystem timing",
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
