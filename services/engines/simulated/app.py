@@ -61,6 +61,7 @@ from simulation.prefix_cache import block_hashes
 log = logging.getLogger(__name__)
 
 _TOKEN_MARK = "@@modelpool-token@@"
+RAW_SEND_KEY = "modelpool.raw_send"
 
 
 # --------------------------------------------------------------------------- streaming
@@ -144,6 +145,8 @@ class TokenStream:
         watcher = asyncio.ensure_future(server.cancel_on_disconnect(receive, gen))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            # Body chunks skip the framework's per-message wrappers (they only watch the start message).
+            send = scope.get(RAW_SEND_KEY, send)
             if frames.opening:
                 await send({"type": "http.response.body", "body": frames.opening, "more_body": True})
             sent = 0
@@ -184,6 +187,7 @@ class HeaderMiddleware:
             await self.app(scope, receive, send)
             return
         header = self.header
+        scope[RAW_SEND_KEY] = send
 
         async def send_with_header(message: Message) -> None:
             if message["type"] == "http.response.start":

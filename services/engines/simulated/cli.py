@@ -1,6 +1,6 @@
 """`modelpool engine sim --profile vllm|llama.cpp ...`: run a simulated engine.
 
-Settings are layered: profile defaults, then `MODELPOOL_SIM_*` environment
+Settings are layered: profile defaults, then `MODELPOOL_SIM_ENGINE_*` environment
 variables, then these options.
 """
 

@@ -26,7 +26,7 @@ PreemptionModeName = Literal["swap", "sacrifice"]
 StrategyName = Literal["conservative", "aggressive"]
 
 GIB = 1024**3
-ENV_PREFIX = "MODELPOOL_SIM_"
+ENV_PREFIX = "MODELPOOL_SIM_ENGINE_"
 
 
 class EngineConfig(BaseModel):
@@ -126,7 +126,7 @@ class EngineConfig(BaseModel):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> dict[str, Any]:
-        """`MODELPOOL_SIM_<FIELD>` variables, e.g. MODELPOOL_SIM_SPEEDUP=10."""
+        """`MODELPOOL_SIM_ENGINE_<FIELD>` variables, e.g. MODELPOOL_SIM_ENGINE_SPEEDUP=10."""
         found: dict[str, Any] = {}
         for name in cls.model_fields:
             value = env.get(ENV_PREFIX + name.upper())
