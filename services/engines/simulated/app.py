@@ -447,6 +447,9 @@ class EngineServer:
         log.info("%s awake", self.engine)
         return Response(status_code=200)
 
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": f"{self.engine} (modelpool)", "simulated": True})
+
     async def is_sleeping(self, request: Request) -> Response:
         return JSONResponse({"is_sleeping": self.lifecycle.is_sleeping})
 
@@ -485,6 +488,7 @@ class EngineServer:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/sim/status", self.status, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
         ]
         if self.config.profile == "vllm":
             routes += [

@@ -167,7 +167,7 @@ class RealTimeDriver:
         return True
 
     async def wait(self, gen: Generation) -> None:
-        """Until `gen` has tokens beyond `seen` or is finished (the caller checks)."""
+        """Until the next batch gives `gen` a token or finishes it; the caller re-checks its counters."""
         assert self._loop is not None
         waiter = self._loop.create_future()
         gen.waiter = waiter
@@ -267,7 +267,7 @@ class RealTimeDriver:
                 itl.observe(now_sim - gen.last_token_sim)
             gen.last_token_sim = now_sim
             gen.emitted += 1
-            waiter = gen.waiter
+            waiter = gen.waiter  # Generation.wake, inlined: this loop runs once per streamed token
             if waiter is not None:
                 gen.waiter = None
                 if not waiter.done():
