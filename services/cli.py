@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from shared.contracts.config import ConfigError
+
 # command -> (module, help). The module exposes `main(argv: list[str]) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.ops.up", "start the local cluster on the embedded default (or NATS_URL / DATABASE_URL)"),
@@ -44,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"modelpool: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except ConfigError as exc:
+        # A configuration problem is the user's to fix: say which field, where, and stop.
+        print(f"modelpool {name}: configuration error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ ENVIRONMENT = {
     "worker_id": "MODELPOOL_WORKER_ID",
     "worker_gpu_memory_gb": "MODELPOOL_WORKER_GPU_MEMORY_GB",
     "worker_slots": "MODELPOOL_WORKER_SLOTS",
+    "worker_sim_speedup": "MODELPOOL_WORKER_SIM_SPEEDUP",
+    "worker_health_timeout_s": "MODELPOOL_WORKER_HEALTH_TIMEOUT_S",
     "otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
     "service_name": "OTEL_SERVICE_NAME",
 }
@@ -47,6 +49,9 @@ class Settings(BaseModel):
     worker_id: str | None = None
     worker_gpu_memory_gb: float = Field(default=0.0, ge=0)
     worker_slots: int = Field(default=4, ge=0)
+    worker_sim_speedup: float = Field(default=1.0, gt=0)
+    """Simulated engines run this many times faster than real time (tests use large values)."""
+    worker_health_timeout_s: float = Field(default=180.0, gt=0)
     otlp_endpoint: str | None = None
     service_name: str = "modelpool"
 

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from shared.bus import subjects as h
 from shared.bus.subjects import DUPLICATE_WINDOW_S, Subjects
-from shared.contracts.messages import Contract, Envelope, InvalidMessage, Registry, UnknownMessageType
+from shared.contracts.messages import Contract, Envelope, InvalidMessage, Registry, UnknownMessageType, describe_errors
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -186,8 +186,8 @@ class Consumer:
     async def handle(self, msg: Msg) -> None:
         try:
             envelope = Envelope.model_validate_json(msg.data)
-        except (ValidationError, ValueError) as exc:
-            await self.dead_letter(msg, f"unparseable message: {_first_line(exc)}")
+        except ValidationError as exc:
+            await self.dead_letter(msg, f"unparseable message: {describe_errors(exc)}")
             return
         try:
             contract = self.registry.decode(envelope)
@@ -195,7 +195,7 @@ class Consumer:
             await self.dead_letter(msg, str(exc))
             return
         except (InvalidMessage, ValueError) as exc:
-            await self.dead_letter(msg, f"invalid {envelope.type}: {_first_line(exc)}")
+            await self.dead_letter(msg, f"invalid {envelope.type}: {exc}")
             return
 
         with self.telemetry.consume_span(f"{self.durable} {envelope.type}", msg.headers or {}):
@@ -227,7 +227,3 @@ class Consumer:
         await msg.term()
         self.stats.dead_lettered += 1
         log.error("%s: dead-lettered message on %s: %s", self.durable, msg.subject, reason)
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -194,6 +194,7 @@ class PlacementDecided(Event):
     backend_type: BackendType
     instance_id: str
     worker_id: str
+    gpu_memory_gb: float = Field(ge=0, description="what the instance holds on the worker")
     score: float
     fallback_level: int = Field(ge=1, le=3, description="seed 000 §7: 1 both anti-affinities, 2 one, 3 resources only")
     candidates: list[CandidateScore] = Field(default_factory=list)

@@ -97,6 +97,15 @@ class Envelope(BaseModel):
         )
 
 
+def describe_errors(exc: ValidationError) -> str:
+    """`field.path: message` for each validation error, on one line."""
+    parts = []
+    for error in exc.errors():
+        field = ".".join(str(p) for p in error["loc"]) or "<message>"
+        parts.append(f"{field}: {error['msg']}")
+    return "; ".join(parts)
+
+
 class UnknownMessageType(LookupError):
     pass
 
@@ -163,4 +172,4 @@ class Registry:
         try:
             return contract.model_validate(payload)
         except ValidationError as exc:
-            raise InvalidMessage(f"{envelope.type} v{envelope.version}: {exc}") from exc
+            raise InvalidMessage(f"{envelope.type} v{envelope.version}: {describe_errors(exc)}") from exc

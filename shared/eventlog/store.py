@@ -185,6 +185,13 @@ class EventStore:
 
     # ------------------------------------------------------------------ reading
 
+    async def get(self, event_id: uuid.UUID) -> Envelope | None:
+        async with self.engine.connect() as conn:
+            return (await self._existing(conn, [event_id])).get(event_id)
+
+    async def contains(self, event_id: uuid.UUID) -> bool:
+        return await self.get(event_id) is not None
+
     async def stream_version(self, stream_id: str) -> int:
         async with self.engine.connect() as conn:
             return await self._head(conn, stream_id)

@@ -114,11 +114,11 @@ class Projector:
         touched: dict[str, dict[str, None]] = {p.name: {} for p in self.projections}
         applied = 0
         for event in events:
-            for p in self.projections:
-                if event.position > self.positions[p.name]:
-                    for key in p.apply(self.rows[p.name], event):
-                        touched[p.name][key] = None
-                    applied += 1
+            fresh = [p for p in self.projections if event.position > self.positions[p.name]]
+            for p in fresh:
+                for key in p.apply(self.rows[p.name], event):
+                    touched[p.name][key] = None
+            applied += bool(fresh)
         last = events[-1].position
         async with self.engine.begin() as conn:
             for p in self.projections:

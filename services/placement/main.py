@@ -1,0 +1,33 @@
+"""`modelpool placement`: choose a worker for every new instance."""
+
+from __future__ import annotations
+
+from services.placement.service import Placement
+from services.runtime import ServiceContext, run_service
+from shared.bus.jetstream import Consumer
+from shared.contracts.commands import PlaceInstance
+from shared.contracts.messages import Contract, Envelope
+
+
+async def serve(ctx: ServiceContext) -> None:
+    placement = Placement(ctx.store, ctx.js, ctx.subjects, ctx.telemetry)
+    await placement.refresh()
+
+    async def on_request(envelope: Envelope, command: Contract) -> None:
+        assert isinstance(command, PlaceInstance)
+        await placement.handle(envelope, command)
+
+    await Consumer(
+        ctx.js,
+        ctx.subjects,
+        stream=ctx.subjects.commands_stream,
+        durable="placement",
+        filter_subject=ctx.subjects.placement_commands,
+        registry=ctx.commands,
+        handler=on_request,
+        telemetry=ctx.telemetry,
+    ).run(ctx.stop)
+
+
+def main(argv: list[str]) -> int:
+    return run_service("placement", serve)

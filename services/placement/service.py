@@ -1,0 +1,127 @@
+"""The placement service: turns a PlaceInstance request into a decision and a start command.
+
+Its view of the workers is folded from the log just before each decision, so
+it decides on what has been committed, never on a guess. The decision is
+recorded first, then the StartInstance command is published with an id derived
+from the request: a redelivered request finds its decision and republishes the
+same command, which JetStream and the worker both recognise as a repeat.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from nats.js import JetStreamContext
+
+from services.placement.scoring import Decision, Placed, Request, WorkerView, place
+from shared.bus.jetstream import publish
+from shared.bus.subjects import Subjects
+from shared.contracts.backends import BackendType, EngineKind
+from shared.contracts.commands import PlaceInstance, StartInstance
+from shared.contracts.events import PlacementDecided, PlacementFailed, PlacementRequested
+from shared.contracts.messages import Envelope, derived_id
+from shared.eventlog.store import EventStore, RawEvent
+from shared.projections.readmodels import WORKERS, Projection, Rows
+from shared.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+def _placement_decided(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    rows[p["instance_id"]] = {
+        "instance_id": p["instance_id"], "alias": p["alias"], "backend_type": p["backend_type"],
+        "worker_id": p["worker_id"], "gpu_memory_gb": p["gpu_memory_gb"],
+    }
+    return (p["instance_id"],)
+
+
+def _instance_changed(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    if p["to_state"] == "ABSENT":
+        rows.pop(p["instance_id"], None)
+    elif p["instance_id"] not in rows:  # started without placement: it still takes a slot
+        rows[p["instance_id"]] = {"instance_id": p["instance_id"], "alias": p["alias"], "backend_type": p["backend_type"],
+                                  "worker_id": p["worker_id"], "gpu_memory_gb": 0.0}
+    return (p["instance_id"],)
+
+
+PLACEMENTS = Projection(
+    name="placements", table="", key="instance_id", columns=(), json_columns=frozenset(), time_columns=frozenset(),
+    reducers={"PlacementDecided": _placement_decided, "InstanceStateChanged": _instance_changed},
+)
+
+
+class Placement:
+    def __init__(self, store: EventStore, js: JetStreamContext, subjects: Subjects, telemetry: Telemetry) -> None:
+        self.store = store
+        self.js = js
+        self.subjects = subjects
+        self.telemetry = telemetry
+        self.rows: dict[str, Rows] = {WORKERS.name: {}, PLACEMENTS.name: {}}
+        self.position = 0
+
+    async def refresh(self) -> None:
+        async for events in self.store.iter_raw(self.position):
+            for event in events:
+                for projection in (WORKERS, PLACEMENTS):
+                    projection.apply(self.rows[projection.name], event)
+            if events:
+                self.position = events[-1].position
+
+    def workers(self) -> list[WorkerView]:
+        placed: dict[str, list[Placed]] = {}
+        for row in self.rows[PLACEMENTS.name].values():
+            placed.setdefault(row["worker_id"], []).append(
+                Placed(row["instance_id"], row["alias"], BackendType(row["backend_type"]), row["gpu_memory_gb"]))
+        return [
+            WorkerView(
+                worker_id=w["worker_id"], gpu_memory_gb=w["gpu_memory_gb"], slots=w["slots"],
+                engines=frozenset(EngineKind(e) for e in w["engines"]), up=w["status"] == "up",
+                instances=tuple(placed.get(w["worker_id"], ())),
+            )
+            for w in self.rows[WORKERS.name].values()
+        ]
+
+    async def handle(self, envelope: Envelope, cmd: PlaceInstance) -> None:
+        decided = await self.store.get(derived_id(envelope.id, "decided"))
+        if decided is not None:
+            await self._send_start(envelope, cmd, decided.payload["worker_id"])
+            return
+        if await self.store.contains(derived_id(envelope.id, "failed")):
+            return
+        await self.refresh()
+        request = Request(cmd.alias, cmd.backend_type, cmd.engine, cmd.gpu_memory_gb)
+        decision = place(request, self.workers())
+        await self._record(envelope, cmd, decision)
+        if decision.worker_id is not None:
+            await self._send_start(envelope, cmd, decision.worker_id)
+
+    async def _record(self, envelope: Envelope, cmd: PlaceInstance, decision: Decision) -> None:
+        common = dict(request_id=cmd.request_id, alias=cmd.alias, backend_type=cmd.backend_type, instance_id=cmd.instance_id)
+        requested = Envelope.wrap(PlacementRequested(**common, gpu_memory_gb=cmd.gpu_memory_gb, reason=cmd.reason),
+                                  causation=envelope, id=derived_id(envelope.id, "requested"))
+        candidates = list(decision.candidates)
+        if decision.worker_id is None:
+            outcome = Envelope.wrap(PlacementFailed(**common, reason=decision.reason, candidates=candidates),
+                                    causation=envelope, id=derived_id(envelope.id, "failed"))
+            log.warning("placement of %s failed: %s", cmd.instance_id, decision.reason)
+        else:
+            outcome = Envelope.wrap(
+                PlacementDecided(**common, worker_id=decision.worker_id, gpu_memory_gb=cmd.gpu_memory_gb, score=decision.score,
+                                 fallback_level=decision.fallback_level or 3, candidates=candidates),
+                causation=envelope, id=derived_id(envelope.id, "decided"),
+            )
+        await self.store.append(f"placement:{cmd.request_id}", [requested, outcome], 0,
+                                headers=self.telemetry.current_headers())
+
+    async def _send_start(self, envelope: Envelope, cmd: PlaceInstance, worker_id: str) -> None:
+        start = StartInstance(
+            instance_id=cmd.instance_id, alias=cmd.alias, backend_type=cmd.backend_type, worker_id=worker_id,
+            engine=cmd.engine, model_name=cmd.model_name, model_path=cmd.model_path, gpu_memory_gb=cmd.gpu_memory_gb,
+            max_model_len=cmd.max_model_len, tensor_parallel_size=cmd.tensor_parallel_size,
+            reason=cmd.reason or "placed",
+        )
+        command = Envelope.wrap(start, causation=envelope, id=derived_id(envelope.id, "start"))
+        await publish(self.js, self.subjects.worker_commands(worker_id), command, self.telemetry)

@@ -1,0 +1,342 @@
+"""The worker: executes instance commands on its machine and records the facts.
+
+Seed 000 §3: one unified interface (`start / wake / sleep / drain / delete /
+status`) over every engine, cut by the capability matrix; an action a backend
+cannot do is answered `unsupported` (the controller picks the substitute), an
+action illegal in the instance's state is answered `rejected`. The worker keeps
+no replica counts, only the instances it runs.
+
+Idempotency: every event a command causes has an id derived from the command
+id. Before acting, the worker looks for the command's marker event (the
+accepted transition, or the outcome); if the log has it, the command was
+handled and a redelivery is acked without a second effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shared.contracts.backends import Action, BackendType, EngineKind, Outcome, substitute, supports
+from shared.contracts.commands import (
+    DeleteInstance,
+    DrainInstance,
+    InstanceCommand,
+    ProbeInstance,
+    SleepInstance,
+    StartInstance,
+    WakeInstance,
+)
+from shared.contracts.events import (
+    InstanceCommandCompleted,
+    InstanceLoadReported,
+    InstanceStateChanged,
+    WorkerDeregistered,
+    WorkerRegistered,
+)
+from shared.contracts.messages import Envelope, Event, derived_id
+from shared.contracts.states import IllegalTransition, InstanceState as S, check_instance_transition
+from shared.eventlog.store import EventStore
+from shared.projections.projector import rebuild
+from shared.projections.readmodels import INSTANCES
+from shared.telemetry import Telemetry
+from services.worker.engines import EngineError, EngineLauncher, EngineProcess
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Instance:
+    """What this worker knows of one instance it runs."""
+
+    instance_id: str
+    alias: str
+    backend_type: BackendType
+    engine: EngineKind
+    state: S
+    sleep_level: int = 0
+    process: EngineProcess | None = None
+    endpoint: str | None = None
+    inflight: int = 0
+
+
+class Worker:
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        store: EventStore,
+        launcher: EngineLauncher,
+        telemetry: Telemetry,
+        gpu_memory_gb: float,
+        slots: int,
+        host: str | None = None,
+        health_timeout_s: float = 180.0,
+        drain_poll_s: float = 0.5,
+    ) -> None:
+        self.worker_id = worker_id
+        self.store = store
+        self.launcher = launcher
+        self.telemetry = telemetry
+        self.gpu_memory_gb = gpu_memory_gb
+        self.slots = slots
+        self.host = host or socket.gethostname()
+        self.health_timeout_s = health_timeout_s
+        self.drain_poll_s = drain_poll_s
+        self.instances: dict[str, Instance] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def register(self, engines: list[EngineKind]) -> None:
+        await self._record(
+            WorkerRegistered(worker_id=self.worker_id, host=self.host, gpu_memory_gb=self.gpu_memory_gb,
+                             slots=self.slots, engines=engines)
+        )
+
+    async def reconcile(self) -> None:
+        """After a restart: instances the log places here have lost their engine process.
+
+        Engines die with their worker (see `engines.py`), so nothing is adopted;
+        each such instance is moved, by legal transitions only, to where the facts are:
+        ERROR if it was starting or serving, ABSENT if it was already on its way out.
+        """
+        rows, _, _ = await rebuild(self.store, [INSTANCES])
+        for row in rows[INSTANCES.name].values():
+            if row["worker_id"] != self.worker_id or row["instance_id"] in self.instances:
+                continue
+            inst = Instance(row["instance_id"], row["alias"], BackendType(row["backend_type"]),
+                            EngineKind(row["engine"]), S(row["state"]), sleep_level=row["sleep_level"])
+            self.instances[inst.instance_id] = inst
+            reason = "worker restarted: its engine process is gone"
+            if inst.state in (S.STARTING, S.RUNNING):
+                await self._transition(inst, S.ERROR, reason, None)
+            elif inst.state in (S.SLEEP_1, S.SLEEP_2, S.DRAINING, S.DELETING):
+                if inst.state is not S.DELETING:
+                    await self._transition(inst, S.DELETING, reason, None)
+                await self._transition(inst, S.ABSENT, reason, None)
+                self.instances.pop(inst.instance_id, None)
+
+    async def shutdown(self, reason: str = "worker stopped") -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for inst in list(self.instances.values()):
+            if inst.process is not None:
+                await inst.process.stop()
+                inst.process = None
+        await self._record(WorkerDeregistered(worker_id=self.worker_id, reason=reason))
+
+    # ------------------------------------------------------------------ commands
+
+    async def handle(self, envelope: Envelope, command: InstanceCommand) -> None:
+        accepted_id = derived_id(envelope.id, "accepted")
+        outcome_id = derived_id(envelope.id, "outcome")
+        if await self.store.contains(accepted_id) or await self.store.contains(outcome_id):
+            log.info("command %s (%s) already handled; ignoring the redelivery", envelope.id, command.TYPE)
+            return
+        action = command.ACTION
+        if command.worker_id != self.worker_id:
+            await self._outcome(envelope, command, Outcome.REJECTED, f"addressed to worker {command.worker_id}")
+            return
+        if not supports(command.backend_type, action):
+            alternative = "+".join(a.value for a in substitute(command.backend_type, action)) or "none"
+            await self._outcome(
+                envelope, command, Outcome.UNSUPPORTED,
+                f"{command.backend_type.value} does not support {action.value} (substitute: {alternative})",
+            )
+            return
+        async with self._lock(command.instance_id):
+            handlers: dict[type, Callable] = {
+                StartInstance: self._start,
+                WakeInstance: self._wake,
+                SleepInstance: self._sleep,
+                DrainInstance: self._drain,
+                DeleteInstance: self._delete,
+                ProbeInstance: self._probe,
+            }
+            try:
+                await handlers[type(command)](envelope, command)
+            except IllegalTransition as exc:
+                await self._outcome(envelope, command, Outcome.REJECTED, str(exc))
+
+    async def _start(self, envelope: Envelope, cmd: StartInstance) -> None:
+        inst = self.instances.get(cmd.instance_id)
+        if inst is None:
+            inst = Instance(cmd.instance_id, cmd.alias, cmd.backend_type, cmd.engine, S.ABSENT)
+        check_instance_transition(inst.backend_type, inst.state, S.STARTING)
+        self.instances[inst.instance_id] = inst
+        await self._transition(inst, S.STARTING, cmd.reason or "start requested", envelope, marker="accepted")
+        self._spawn(self._finish_start(envelope, cmd, inst))
+
+    async def _finish_start(self, envelope: Envelope, cmd: StartInstance, inst: Instance) -> None:
+        try:
+            inst.process = await self.launcher.launch(cmd)
+            inst.endpoint = inst.process.endpoint
+            await inst.process.wait_healthy(self.health_timeout_s)
+        except (EngineError, OSError) as exc:
+            async with self._lock(inst.instance_id):
+                if inst.process is not None:
+                    await inst.process.stop()
+                    inst.process = None
+                await self._transition(inst, S.ERROR, f"start failed: {exc}", envelope,
+                                       outcome=(Outcome.FAILED, str(exc)))
+            return
+        async with self._lock(inst.instance_id):
+            if inst.state is S.STARTING:
+                await self._transition(inst, S.RUNNING, "engine healthy", envelope, outcome=(Outcome.OK, inst.endpoint or ""))
+
+    async def _wake(self, envelope: Envelope, cmd: WakeInstance) -> None:
+        inst = self._known(cmd)
+        check_instance_transition(inst.backend_type, inst.state, S.RUNNING)
+        await self._engine_call(envelope, cmd, inst, lambda p: p.wake(), S.RUNNING, 0)
+
+    async def _sleep(self, envelope: Envelope, cmd: SleepInstance) -> None:
+        inst = self._known(cmd)
+        target = S.SLEEP_1 if cmd.level == 1 else S.SLEEP_2
+        check_instance_transition(inst.backend_type, inst.state, target)
+        await self._engine_call(envelope, cmd, inst, lambda p: p.sleep(cmd.level), target, cmd.level)
+
+    async def _engine_call(self, envelope, cmd, inst: Instance, call, target: S, sleep_level: int) -> None:
+        if inst.process is None or not inst.process.alive:
+            await self._transition(inst, S.ERROR, "engine process is gone", envelope,
+                                   outcome=(Outcome.FAILED, "engine process is gone"))
+            return
+        try:
+            await call(inst.process)
+        except Exception as exc:  # whatever the engine answered, the outcome records it
+            await self._outcome(envelope, cmd, Outcome.FAILED, str(exc))
+            return
+        inst.sleep_level = sleep_level
+        await self._transition(inst, target, cmd.reason or f"{cmd.ACTION.value} requested", envelope,
+                               outcome=(Outcome.OK, ""))
+
+    async def _drain(self, envelope: Envelope, cmd: DrainInstance) -> None:
+        inst = self._known(cmd)
+        check_instance_transition(inst.backend_type, inst.state, S.DRAINING)
+        await self._transition(inst, S.DRAINING, cmd.reason or "drain requested", envelope, marker="accepted")
+        self._spawn(self._finish_drain(envelope, cmd, inst))
+
+    async def _finish_drain(self, envelope: Envelope, cmd: DrainInstance, inst: Instance) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cmd.timeout_s
+        remaining = 0
+        while inst.state is S.DRAINING and inst.process is not None and inst.process.alive:
+            with contextlib.suppress(Exception):
+                remaining = await inst.process.inflight()
+            if remaining == 0 or loop.time() > deadline:
+                break
+            await asyncio.sleep(self.drain_poll_s)
+        detail = "drained" if remaining == 0 else f"drain timed out with {remaining} requests in flight"
+        await self._outcome(envelope, cmd, Outcome.OK if remaining == 0 else Outcome.FAILED, detail)
+
+    async def _delete(self, envelope: Envelope, cmd: DeleteInstance) -> None:
+        inst = self._known(cmd)
+        check_instance_transition(inst.backend_type, inst.state, S.DELETING)
+        await self._transition(inst, S.DELETING, cmd.reason or "delete requested", envelope, marker="accepted")
+        if inst.process is not None:
+            await inst.process.stop()
+            inst.process = None
+        await self._transition(inst, S.ABSENT, "engine stopped, resources released", envelope, outcome=(Outcome.OK, ""))
+        self.instances.pop(inst.instance_id, None)
+
+    async def _probe(self, envelope: Envelope, cmd: ProbeInstance) -> None:
+        inst = self.instances.get(cmd.instance_id)
+        if inst is None:
+            await self._outcome(envelope, cmd, Outcome.OK, "ABSENT")
+            return
+        detail = inst.state.value
+        if inst.process is not None and inst.process.alive and inst.state is S.RUNNING:
+            with contextlib.suppress(Exception):
+                inst.inflight = await inst.process.inflight()
+            detail += f", inflight {inst.inflight}"
+        await self._outcome(envelope, cmd, Outcome.OK, detail)
+
+    # ------------------------------------------------------------------ load reports
+
+    async def report_load(self) -> None:
+        """Record inflight of running instances that changed since the last report."""
+        for inst in list(self.instances.values()):
+            if inst.state is not S.RUNNING or inst.process is None or not inst.process.alive:
+                continue
+            try:
+                inflight = await inst.process.inflight()
+            except Exception:
+                continue
+            if inflight != inst.inflight:
+                inst.inflight = inflight
+                await self._record(InstanceLoadReported(instance_id=inst.instance_id, alias=inst.alias, inflight=inflight))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _known(self, cmd: InstanceCommand) -> Instance:
+        inst = self.instances.get(cmd.instance_id)
+        if inst is None:
+            raise IllegalTransition("instance", S.ABSENT, _target_of(cmd), f"instance {cmd.instance_id} is not on this worker")
+        if inst.backend_type is not cmd.backend_type:
+            raise IllegalTransition("instance", inst.state, _target_of(cmd), f"instance is {inst.backend_type.value}, command says {cmd.backend_type.value}")
+        return inst
+
+    def _lock(self, instance_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(instance_id, asyncio.Lock())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _record(self, event: Event, *, causation: Envelope | None = None, id=None) -> None:
+        envelope = Envelope.wrap(event, causation=causation, id=id)
+        await self.store.append(envelope.stream_id or "", [envelope], headers=self.telemetry.current_headers())
+
+    async def _transition(
+        self,
+        inst: Instance,
+        to_state: S,
+        reason: str,
+        cause: Envelope | None,
+        *,
+        marker: str | None = None,
+        outcome: tuple[Outcome, str] | None = None,
+    ) -> None:
+        """Record a state change (and the command's outcome with it, atomically)."""
+        change = InstanceStateChanged(
+            instance_id=inst.instance_id, alias=inst.alias, backend_type=inst.backend_type, engine=inst.engine,
+            worker_id=self.worker_id, from_state=inst.state, to_state=to_state, reason=reason,
+            sleep_level=inst.sleep_level if to_state in (S.SLEEP_1, S.SLEEP_2) else 0,
+            endpoint=inst.endpoint, command_id=cause.id if cause else None,
+        )
+        events = [Envelope.wrap(change, causation=cause,
+                                id=derived_id(cause.id, marker or to_state.value) if cause else None)]
+        if outcome is not None and cause is not None:
+            events.append(self._outcome_envelope(cause, inst.instance_id, inst.alias, Action(_action_of(cause)), *outcome))
+        await self.store.append(f"instance:{inst.instance_id}", events, headers=self.telemetry.current_headers())
+        inst.state = to_state
+
+    def _outcome_envelope(self, cause: Envelope, instance_id: str, alias: str, action: Action, outcome: Outcome, detail: str) -> Envelope:
+        return Envelope.wrap(
+            InstanceCommandCompleted(command_id=cause.id, instance_id=instance_id, alias=alias, worker_id=self.worker_id,
+                                     action=action, outcome=outcome, detail=detail),
+            causation=cause, id=derived_id(cause.id, "outcome"),
+        )
+
+    async def _outcome(self, cause: Envelope, cmd: InstanceCommand, outcome: Outcome, detail: str) -> None:
+        envelope = self._outcome_envelope(cause, cmd.instance_id, cmd.alias, cmd.ACTION, outcome, detail)
+        await self.store.append(f"instance:{cmd.instance_id}", [envelope], headers=self.telemetry.current_headers())
+
+
+_ACTIONS = {c.TYPE: c.ACTION for c in (StartInstance, WakeInstance, SleepInstance, DrainInstance, DeleteInstance, ProbeInstance)}
+
+
+def _action_of(envelope: Envelope) -> str:
+    return _ACTIONS[envelope.type].value
+
+
+def _target_of(cmd: InstanceCommand) -> S:
+    return {
+        Action.START: S.STARTING, Action.WAKE: S.RUNNING, Action.DRAIN: S.DRAINING, Action.DELETE: S.DELETING,
+    }.get(cmd.ACTION, S.SLEEP_1 if not isinstance(cmd, SleepInstance) or cmd.level == 1 else S.SLEEP_2)

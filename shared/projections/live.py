@@ -1,0 +1,88 @@
+"""A service's in-memory copy of read models: load from Postgres, then follow the log.
+
+A starting service loads the projection rows and the position they were written
+at (one snapshot), then applies every later event from the log with the same
+reducers the projector uses. It learns that there is something new from the bus
+(any message on the namespace's event subjects) and polls slowly as a fallback,
+but it always reads the events themselves from the log, in position order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from nats.aio.client import Client as NATS
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from shared.bus.subjects import Subjects
+from shared.eventlog.store import EventStore
+from shared.projections.projector import load_position, load_rows
+from shared.projections.readmodels import Projection, Rows
+
+log = logging.getLogger(__name__)
+
+
+class LiveView:
+    def __init__(self, store: EventStore, engine: AsyncEngine, projections: Sequence[Projection]) -> None:
+        self.store = store
+        self.engine = engine
+        self.projections = tuple(projections)
+        self.rows: dict[str, Rows] = {p.name: {} for p in projections}
+        self.position = 0
+        self.changed = asyncio.Event()
+        self._wake = asyncio.Event()
+
+    def __getitem__(self, projection: Projection) -> Rows:
+        return self.rows[projection.name]
+
+    async def load(self) -> None:
+        """Rows and position from the projector's tables, read in one snapshot."""
+        async with self.engine.connect() as conn:
+            await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+            positions = {p.name: await load_position(conn, p.name) for p in self.projections}
+            rows = {p.name: await load_rows(conn, p) for p in self.projections}
+            await conn.rollback()
+        if len(set(positions.values())) > 1:
+            # Projections at different positions (one added later): start them all from scratch.
+            self.rows, self.position = {p.name: {} for p in self.projections}, 0
+        else:
+            self.rows, self.position = rows, next(iter(positions.values()), 0)
+        await self.catch_up()
+
+    async def catch_up(self) -> int:
+        applied = 0
+        async for events in self.store.iter_raw(self.position):
+            for event in events:
+                for p in self.projections:
+                    p.apply(self.rows[p.name], event)
+            if events:
+                self.position = events[-1].position
+                applied += len(events)
+        if applied:
+            self.changed.set()
+        return applied
+
+    async def follow(self, nc: NATS, subjects: Subjects, stop: asyncio.Event, poll_interval_s: float = 1.0) -> None:
+        sub = await nc.subscribe(subjects.all_events, cb=self._on_message)
+        stop_wait = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                wake_wait = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait({wake_wait, stop_wait}, timeout=poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
+                wake_wait.cancel()
+                self._wake.clear()
+                try:
+                    await self.catch_up()
+                except Exception:
+                    log.exception("catching up with the log failed; retrying")
+        finally:
+            stop_wait.cancel()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _on_message(self, msg) -> None:
+        self._wake.set()
