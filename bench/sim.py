@@ -145,6 +145,7 @@ async def ramp(port: int, pid: int, levels: list[int], warmup: float, window: fl
                 client_cpu=(c1 - c0) / wall,
                 batches_per_s=batches / wall,
                 extra={"running": running, "closed_streams": sum(s.closed for s in streams),
+                       "schedule_resets": s1["schedule_resets"] - s0["schedule_resets"],
                        "scheduled_itl_ms": scheduled_itl * 1000},
             )
             results.append(level)
@@ -152,7 +153,7 @@ async def ramp(port: int, pid: int, levels: list[int], warmup: float, window: fl
                 f"  {n:5d} streams: {client_tps:9.0f} tok/s received, {scheduled_tps:9.0f} scheduled, "
                 f"engine drift {level.engine_drift:+.1%}, client drift {level.client_drift:+.1%}, "
                 f"engine cpu {level.engine_cpu:.0%}, client cpu {level.client_cpu:.0%}, "
-                f"ITL {scheduled_itl * 1000:.1f} ms"
+                f"ITL {scheduled_itl * 1000:.1f} ms, resets {level.extra['schedule_resets']}"
             )
             if not level.holds:
                 break
@@ -205,6 +206,30 @@ def engine_capacity(levels: list[int], warmup: float, window: float) -> tuple[li
             os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
 
 
+def plot_ramp(levels: list[Level], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [lv.streams for lv in levels]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    top.plot(x, [lv.client_tokens_per_s for lv in levels], "o-", label="received by clients")
+    top.plot(x, [lv.scheduled_tokens_per_s for lv in levels], "x--", label="scheduled by the decode model")
+    top.set_ylabel("streamed tokens/s")
+    top.legend()
+    top.set_title("Simulated vLLM engine on one core")
+    bottom.plot(x, [100 * lv.engine_drift for lv in levels], "o-", label="engine: wall / scheduled - 1")
+    bottom.plot(x, [100 * lv.client_drift for lv in levels], "x-", label="clients: scheduled / received - 1")
+    bottom.axhline(100 * DRIFT_LIMIT, color="red", linestyle=":", label="5 % limit")
+    bottom.set_xlabel("concurrent streams")
+    bottom.set_ylabel("drift (%)")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -215,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=1.5)
     ap.add_argument("--window", type=float, default=3.0)
     ap.add_argument("--skip-sim", action="store_true", help="only the engine capacity part")
+    ap.add_argument("--plot", default=None, help="write the engine ramp as a PNG here")
     args = ap.parse_args(argv)
 
     out: dict[str, object] = {}
@@ -238,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
          "itl_ms": round(lv.extra["scheduled_itl_ms"], 2)}
         for lv in ramp_levels
     ]
+    if args.plot:
+        plot_ramp(ramp_levels, args.plot)
+        out["engine_plot"] = args.plot
     out["engine_command"] = " ".join(["taskset", "-c", "0", "python", *cmd[cmd.index("-m"):]])
     print(json.dumps(out))
     return 0

@@ -417,6 +417,7 @@ class EngineServer:
             "batches": self.stats.steps,
             "scheduled_wall_s": self.stats.scheduled_wall_s,
             "actual_wall_s": self.stats.actual_wall_s,
+            "schedule_resets": self.stats.schedule_resets,
         })
 
     async def sleep(self, request: Request) -> Response:

@@ -115,7 +115,7 @@ class EngineConfig(BaseModel):
             "d_1": 0.002,
             "max_num_batched_tokens": 2048,
             "max_num_seqs": 4,
-            "max_model_len": 8192,
+            "max_model_len": 4096,  # n_ctx per slot: 16384 shared by 4 slots
             "kv_cache_tokens": 16384,
             "enable_prefix_caching": False,
             "preemption_mode": "sacrifice",

@@ -219,9 +219,11 @@ class RealTimeDriver:
                 next_start = loop.time()
                 continue
             wall = loop.time()
-            start = next_start if wall - next_start < _MAX_CATCH_UP_S else wall
-            if start > wall:
+            if wall - next_start < _MAX_CATCH_UP_S:
+                start = next_start if next_start < wall else wall
+            else:
                 start = wall
+                stats.schedule_resets += 1
             result = self.system.step((start - self._t0) * speedup)
             if result is None:
                 # work exists but nothing can run (cannot happen with a valid config); do not spin

@@ -66,6 +66,8 @@ class EngineStats:
     """Sum of batch durations divided by the speed-up: the time the model asked for."""
     actual_wall_s: float = 0.0
     """Wall time from each batch's start to the next one's: what the server delivered."""
+    schedule_resets: int = 0
+    """Times the driver fell so far behind that it restarted its schedule from now."""
     prefill_sim_s: float = 0.0
     decode_sim_s: float = 0.0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
