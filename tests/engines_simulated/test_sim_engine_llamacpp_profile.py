@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
 
 import httpx
@@ -27,29 +27,33 @@ def test_health_is_503_while_loading_then_200() -> None:
         running.stop()
 
 
-def test_slots_limit_concurrency_and_metrics_use_llamacpp_names() -> None:
-    running = start_engine("llama.cpp", max_num_seqs=2, d_0=0.01)
+async def test_slots_limit_concurrency_and_metrics_use_llamacpp_names() -> None:
+    running = start_engine("llama.cpp", max_num_seqs=2, d_0=0.005)
     try:
-        results: list[int] = []
-        workers = [
-            threading.Thread(target=lambda: results.append(chat(running.url, max_tokens=40).status_code))
-            for _ in range(5)
-        ]
-        for w in workers:
-            w.start()
-        assert wait_for(lambda: running.metrics().get("llamacpp:requests_deferred") == 3, timeout=3)
-        slots = httpx.get(f"{running.url}/slots").json()
-        assert len(slots) == 2
-        assert [s["is_processing"] for s in slots] == [True, True]
-        assert slots[0]["n_ctx"] == running.config.kv_tokens // 2
-        for w in workers:
-            w.join(timeout=10)
-        assert results == [200] * 5
+        body = {"model": "sim-test", "prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(base_url=running.url, timeout=10) as client:
+            opened = [client.stream("POST", "/v1/completions", json=body) for _ in range(5)]
+            responses = [await ctx.__aenter__() for ctx in opened]
+            assert all(r.status_code == 200 for r in responses)
+            assert await asyncio.to_thread(
+                wait_for, lambda: running.metrics().get("llamacpp:requests_deferred") == 3, 3)
+            m = running.metrics()
+            assert m["llamacpp:requests_processing"] == 2
+            slots = (await client.get("/slots")).json()
+            assert len(slots) == 2
+            assert [s["is_processing"] for s in slots] == [True, True]
+            assert slots[0]["n_ctx"] == running.config.kv_tokens // 2
+            for ctx in opened:
+                await ctx.__aexit__(None, None, None)
+        # the clients left: their requests are gone from the slots and from the queue
+        assert wait_for(lambda: running.metrics()["llamacpp:requests_processing"] == 0, 3)
         m = running.metrics()
-        assert m["llamacpp:tokens_predicted_total"] == 5 * 40
-        assert m["llamacpp:requests_deferred"] == 0 and m["llamacpp:requests_processing"] == 0
-        assert m["llamacpp:n_decode_total"] >= 40 * 5 / 2
-        assert m["llamacpp:prompt_tokens_total"] > 0
+        assert m["llamacpp:requests_deferred"] == 0 and m["llamacpp:kv_cache_tokens"] == 0
+        before = m["llamacpp:tokens_predicted_total"]
+        assert [chat(running.url, max_tokens=7).status_code for _ in range(3)] == [200] * 3
+        m = running.metrics()
+        assert m["llamacpp:tokens_predicted_total"] - before == 3 * 7
+        assert m["llamacpp:n_decode_total"] >= 7 and m["llamacpp:prompt_tokens_total"] > 0
         assert not any(name.startswith("vllm:") for name in m)
     finally:
         running.stop()

@@ -100,7 +100,7 @@ def test_tokens_arrive_at_the_decode_model_pace(d_0: float, speedup: float) -> N
                     arrivals.append(time.perf_counter())
         assert len(arrivals) == 21
         per_token = (arrivals[-1] - arrivals[0]) / 20
-        assert 0.016 <= per_token <= 0.03, per_token  # scheduled: 0.02 s
+        assert 0.016 <= per_token <= 0.035, per_token  # scheduled: 0.02 s
     finally:
         running.stop()
 
