@@ -62,7 +62,7 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
     events = event_registry()
     store = make_store(engine, events, settings.namespace)
     nc = await connect(settings.nats_url, name=f"modelpool-{name}-{socket.gethostname()}")
-    stack.push_async_callback(nc.drain)
+    stack.push_async_callback(close_nats, nc)
     js = nc.jetstream()
     subjects = Subjects(settings.namespace)
     await ensure_streams(js, subjects)
@@ -78,6 +78,17 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
         events=events,
         commands=command_registry(),
     )
+
+
+async def close_nats(nc: NATS) -> None:
+    # Flush what we published (acks included), then close. Draining would wait on
+    # idle pull subscriptions for its whole timeout; every message this process
+    # handled is already acked, and anything unacked is redelivered by design.
+    try:
+        await nc.flush(timeout=2)
+    except Exception:
+        pass
+    await nc.close()
 
 
 def configure_logging(name: str) -> None:

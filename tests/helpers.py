@@ -18,3 +18,39 @@ async def eventually(predicate, timeout: float = 10.0, interval: float = 0.05):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met within {timeout}s (last value {value!r})")
         await asyncio.sleep(interval)
+
+
+class ServiceProcess:
+    """A `modelpool <command>` child process whose output goes to a log file."""
+
+    def __init__(self, command: str, env: dict[str, str], log_dir) -> None:
+        import os
+        import subprocess
+        import sys
+
+        self.command = command
+        self.log_path = log_dir / f"{command}-{len(list(log_dir.glob(command + '-*')))}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", command],
+            env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def kill(self, sig: int) -> int:
+        import os
+
+        os.killpg(self.proc.pid, sig)
+        code = self.proc.wait(timeout=30)
+        self._log.close()
+        return code
+
+    def stop(self) -> int:
+        import signal
+
+        if self.proc.poll() is not None:
+            self._log.close()
+            return self.proc.returncode
+        return self.kill(signal.SIGTERM)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")

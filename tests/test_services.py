@@ -1,0 +1,183 @@
+"""The services as real processes: crash safety of the relay and projector, and the command path end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import socket
+import uuid
+
+import httpx
+import openai
+from sqlalchemy import text
+
+from helpers import ServiceProcess, eventually
+from services.ops.replay import replay
+from shared.bus import subjects as h
+from shared.bus.jetstream import publish
+from shared.contracts.backends import BackendType, EngineKind
+from shared.contracts.commands import PlaceInstance
+from shared.contracts.events import SessionBound, SessionMigrated
+from shared.contracts.messages import Envelope
+
+
+def service_env(settings, **extra: str) -> dict[str, str]:
+    return {
+        "DATABASE_URL": settings.database_url,
+        "NATS_URL": settings.nats_url,
+        "MODELPOOL_NAMESPACE": settings.namespace,
+        **extra,
+    }
+
+
+async def tracked(store, name: str) -> int:
+    async with store.engine.connect() as conn:
+        value = (await conn.execute(text("SELECT position FROM tracking WHERE name = :n"), {"n": name})).scalar()
+    return int(value or 0)
+
+
+async def test_relay_and_projector_killed_mid_stream_lose_and_double_nothing(store, bus, settings, tmp_path):
+    env = service_env(settings)
+    relay = ServiceProcess("relay", env, tmp_path)
+    projector = ServiceProcess("projector", env, tmp_path)
+    writers, per_writer = 8, 60
+    appended: list[Envelope] = []
+
+    async def writer(n: int) -> None:
+        rng = random.Random(n)
+        for i in range(per_writer):
+            if i == 0:
+                event = SessionBound(session_id=f"s{n}", alias="a", instance_id="i0")
+            else:
+                event = SessionMigrated(session_id=f"s{n}", alias="a", from_instance_id=f"i{i - 1}",
+                                        to_instance_id=f"i{i}", reason="hot")
+            appended.extend(await store.append(f"session:s{n}", [Envelope.wrap(event)]))
+            await asyncio.sleep(rng.uniform(0.005, 0.02))
+
+    async def chaos() -> None:
+        nonlocal relay, projector
+        await asyncio.sleep(0.8)
+        relay.kill(signal.SIGKILL)
+        await asyncio.sleep(0.3)
+        relay = ServiceProcess("relay", env, tmp_path)
+        await asyncio.sleep(0.8)
+        projector.kill(signal.SIGKILL)
+        await asyncio.sleep(0.3)
+        projector = ServiceProcess("projector", env, tmp_path)
+
+    try:
+        await asyncio.gather(chaos(), *(writer(n) for n in range(writers)))
+        head = await store.head_position()
+        await eventually(lambda: _all_at(store, head), timeout=60)
+    finally:
+        codes = (relay.stop(), projector.stop())
+    assert codes == (0, 0), relay.output()[-2000:] + projector.output()[-2000:]
+
+    # Every event is in the log once.
+    assert len(appended) == writers * per_writer
+    async with store.engine.connect() as conn:
+        count = (await conn.execute(text("SELECT count(*), count(DISTINCT id) FROM events"))).one()
+    assert tuple(count) == (writers * per_writer,) * 2
+
+    # Every event was delivered, once, despite the relay publishing part of its tail twice.
+    info = await bus.js.stream_info(bus.subjects.events_stream)
+    assert info.state.messages == writers * per_writer
+    sub = await bus.js.pull_subscribe(bus.subjects.all_events, durable=None)
+    positions: list[int] = []
+    while len(positions) < writers * per_writer:
+        positions += [int(m.headers[h.POSITION]) for m in await sub.fetch(200, timeout=5)]
+    assert sorted(positions) == sorted(e.position for e in appended)
+
+    # Each projection equals a rebuild from the log.
+    report = await replay(settings)
+    assert report.consistent, [d.describe() for d in report.differences]
+    assert report.rows["sessions"] == writers
+
+
+async def _all_at(store, head: int) -> bool:
+    positions = [await tracked(store, name) for name in ("relay", "routing", "instances", "sessions", "workers")]
+    return all(p >= head for p in positions)
+
+
+POOL = """
+aliases:
+  - alias: tiny
+    backends:
+      llama.cpp: {model_name: tiny, model_path: default, gpu_memory_gb: 0, min_replicas: 1, max_replicas: 2, engine: simulator}
+      vllm: {model_name: tiny, model_path: /models/tiny, gpu_memory_gb: 12, max_replicas: 1, max_model_len: 4096, engine: simulator}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_a_request_flows_from_placement_to_a_worker_engine_and_through_the_gateway(store, bus, settings, tmp_path):
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(POOL)
+    port = free_port()
+    env = service_env(settings, MODELPOOL_CONFIG=str(pool), MODELPOOL_GATEWAY_PORT=str(port),
+                      MODELPOOL_WORKER_ID="w1", MODELPOOL_WORKER_GPU_MEMORY_GB="24",
+                      MODELPOOL_WORKER_SIM_SPEEDUP="100")
+    services = [ServiceProcess(name, env, tmp_path) for name in ("relay", "projector", "autoscaler", "placement", "worker", "gateway")]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+            async def alias_listed():
+                try:
+                    models = (await client.get("/v1/models")).json()["data"]
+                except (httpx.HTTPError, KeyError, ValueError):
+                    return None
+                return models or None
+
+            (card,) = await eventually(alias_listed, timeout=60)
+            assert card["id"] == "tiny" and card["simulated"] is True
+            assert "simulated-llama.cpp" in card["engine"] and "simulated-vllm" in card["engine"]
+
+            cold = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+            assert cold.status_code == 503 and cold.json()["error"]["code"] == "no_instance"
+            unknown = await client.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
+            assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+            bad = await client.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
+            assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+            request_id = uuid.uuid4()
+            place = PlaceInstance(request_id=request_id, instance_id="tiny-fast-1", alias="tiny",
+                                  backend_type=BackendType.LLAMA_CPP, engine=EngineKind.SIMULATOR, model_name="tiny",
+                                  model_path="default", gpu_memory_gb=0, reason="test")
+            from shared.telemetry import Telemetry
+
+            await publish(bus.js, bus.subjects.placement_commands, Envelope.wrap(place), Telemetry("test"))
+
+            async def serving():
+                response = await client.post("/v1/chat/completions",
+                                             json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+                return response.status_code == 200
+
+            await eventually(serving, timeout=60)
+
+        sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")
+        raw = await sdk.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "Say hello"}], max_tokens=8)
+        completion = raw.parse()
+        assert completion.choices[0].message.content and completion.usage.completion_tokens <= 8
+        assert raw.headers["x-modelpool-engine"] == "simulated-llama.cpp"
+        assert raw.headers["x-modelpool-instance"] == "tiny-fast-1"
+        chunks = [c async for c in await sdk.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Count"}], max_tokens=5, stream=True)]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        await sdk.close()
+
+        history = [e.type for e in await store.history("tiny")]
+        assert history[:1] == ["AliasConfigured"]
+        assert {"PlacementRequested", "PlacementDecided", "InstanceStateChanged", "InstanceCommandCompleted"} <= set(history)
+        decided = next(e for e in await store.history("tiny") if e.type == "PlacementDecided")
+        assert decided.payload["worker_id"] == "w1" and decided.payload["fallback_level"] == 1
+    finally:
+        codes = {s.command: s.stop() for s in reversed(services)}
+    assert set(codes.values()) == {0}, {s.command: s.output()[-1500:] for s in services}
+    worker_events = [e.type for e in await store.read_stream("worker:w1")]
+    assert worker_events == ["WorkerRegistered", "WorkerDeregistered"]
