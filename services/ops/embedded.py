@@ -35,10 +35,11 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Callable
+from typing import IO, Self
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,11 @@ def spawn(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start `argv` in a new session (its own process group), tied to our life."""
+    """Start `argv` in a new session (its own process group), tied to our life.
+
+    `preexec_fn` is safe with threads here: the child only makes system calls
+    through functions resolved before the fork, and takes no Python locks.
+    """
     return subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
@@ -226,7 +231,7 @@ class _EmbeddedServer:
     def running(self) -> bool:
         return self.pid is not None
 
-    def start(self) -> "_EmbeddedServer":
+    def start(self) -> Self:
         raise NotImplementedError
 
     def stop(self) -> None:
@@ -242,7 +247,7 @@ class _EmbeddedServer:
                 self._log_file.close()
                 self._log_file = None
 
-    def __enter__(self):  # type: ignore[no-untyped-def]
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -304,7 +309,7 @@ class EmbeddedNats(_EmbeddedServer):
     def log_path(self) -> Path:
         return self.data_dir / "nats-server.log"
 
-    def start(self) -> "EmbeddedNats":
+    def start(self) -> Self:
         if self.running:
             return self
         binary = self.binary or find_nats_server()
@@ -474,7 +479,7 @@ class EmbeddedPostgres(_EmbeddedServer):
     def _bin(self, name: str) -> str:
         return str((self.bin_dir or find_postgres_bin()) / name)
 
-    def start(self) -> "EmbeddedPostgres":
+    def start(self) -> Self:
         if self.running:
             return self
         self.bin_dir = self.bin_dir or find_postgres_bin()
@@ -581,7 +586,25 @@ class EmbeddedPostgres(_EmbeddedServer):
 
     def psql(self, sql: str, database: str = "postgres") -> str:
         """Run one SQL statement with the bundled psql; returns unaligned output."""
-        argv = [self._bin("psql"), "-X", "-q", "-t", "-A", "-v", "ON_ERROR_STOP=1", "-h", LOCALHOST, "-p", str(self.port), "-U", self.superuser, "-d", database, "-c", sql]
+        argv = [
+            self._bin("psql"),
+            "-X",
+            "-q",
+            "-t",
+            "-A",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-h",
+            LOCALHOST,
+            "-p",
+            str(self.port),
+            "-U",
+            self.superuser,
+            "-d",
+            database,
+            "-c",
+            sql,
+        ]
         result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
         if result.returncode != 0:
             raise EmbeddedServerError(f"psql failed: {result.stderr.strip()}")

@@ -22,9 +22,10 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterator, TextIO
+from typing import IO, TextIO
 
 from services.ops.embedded import (
     LOCALHOST,
@@ -52,16 +53,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description="Start the local modelpool cluster: NATS JetStream, Postgres, migrations and every service.",
         epilog="NATS_URL and DATABASE_URL, when set, name external servers to use instead of the embedded ones.",
     )
-    parser.add_argument("--data-dir", type=Path, default=Path(env.get("MODELPOOL_DATA_DIR", ".modelpool")),
-                        help="where the embedded servers keep their data between runs (default: .modelpool)")
-    parser.add_argument("--gateway-port", type=int, default=int(env.get("MODELPOOL_GATEWAY_PORT", "8000")),
-                        help="the gateway's HTTP port (default: 8000)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(env.get("MODELPOOL_DATA_DIR", ".modelpool")),
+        help="where the embedded servers keep their data between runs (default: .modelpool)",
+    )
+    parser.add_argument("--gateway-port", type=int, default=int(env.get("MODELPOOL_GATEWAY_PORT", "8000")), help="the gateway's HTTP port (default: 8000)")
     parser.add_argument("--nats-port", type=int, default=0, help="port for the embedded NATS server (default: any free port)")
     parser.add_argument("--postgres-port", type=int, default=0, help="port for the embedded Postgres (default: any free port)")
     parser.add_argument("--config", type=Path, default=None, help="alias configuration file (sets MODELPOOL_CONFIG)")
     parser.add_argument("--namespace", default=None, help="bus and schema namespace (sets MODELPOOL_NAMESPACE)")
-    parser.add_argument("--services", default=",".join(SERVICES),
-                        help=f"comma-separated services to start (default: {','.join(SERVICES)})")
+    parser.add_argument("--services", default=",".join(SERVICES), help=f"comma-separated services to start (default: {','.join(SERVICES)})")
     parser.add_argument("--stop-timeout", type=float, default=10.0,
                         help="seconds services get to exit after SIGTERM before SIGKILL (default: 10)")  # fmt: skip
     args = parser.parse_args(argv)

@@ -28,9 +28,8 @@ def pids_mentioning(text: str | Path) -> list[int]:
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         pid = int(entry)
-        if needle in _read(f"/proc/{pid}/cmdline") or needle in _read(f"/proc/{pid}/environ"):
-            if not _zombie(pid):
-                found.append(pid)
+        if (needle in _read(f"/proc/{pid}/cmdline") or needle in _read(f"/proc/{pid}/environ")) and not _zombie(pid):
+            found.append(pid)
     return found
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import asyncpg
 import nats
 import pytest
+from ops_processes import alive, descendants, pids_mentioning, wait_gone
 
 from services.ops.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError
-from ops_processes import alive, descendants, pids_mentioning, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,9 +106,8 @@ async def test_postgres_accepts_queries_runs_unprivileged_and_keeps_data(data_di
 
 
 def test_a_second_postgres_on_the_same_data_dir_is_refused(data_dir: Path) -> None:
-    with EmbeddedPostgres(data_dir / "shared-pg"):
-        with pytest.raises(EmbeddedServerError, match="already running"):
-            EmbeddedPostgres(data_dir / "shared-pg").start()
+    with EmbeddedPostgres(data_dir / "shared-pg"), pytest.raises(EmbeddedServerError, match="already running"):
+        EmbeddedPostgres(data_dir / "shared-pg").start()
     assert pids_mentioning(data_dir / "shared-pg") == []
 
 

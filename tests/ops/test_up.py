@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from ops_processes import cmdline, descendants, pids_mentioning, wait_gone
+
 from services.ops import up
 from services.ops.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 
