@@ -59,15 +59,15 @@ class Strategy(str, Enum):
 
 class VictimPolicy(str, Enum):
     LIFO = "lifo"  # latest to enter RUNNING first
-    LRU = "lru"  # least recently executed first
+    LRU = "lru"  # least recently executed first; ties (same last batch) broken LIFO
     RANDOM = "random"
 
 
 class DecodeCost(str, Enum):
     """Tokens a decoding request charges against the budget B."""
 
-    CONTEXT = "context"  # its context length (prefill_length + position): the seed's batch_tokens
-    ONE = "one"  # one new token, as vLLM's scheduler budget counts decodes
+    ONE = "one"  # one new token per batch (seed 002, and vLLM's scheduler budget)
+    CONTEXT = "context"  # its whole context (prefill_length + position), an attention-bound variant
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,7 @@ class SystemParams:
     victim_policy: VictimPolicy = VictimPolicy.LIFO
     allow_waiting_preempt: bool = False
     prefill: bool = False
-    # None: CONTEXT in pure-decode mode, ONE when prefill is simulated.
-    decode_cost: DecodeCost | None = None
+    decode_cost: DecodeCost = DecodeCost.ONE
     prefix_cache_blocks: int = 0
     block_size: int = 16
     seed: int = 0
@@ -95,7 +94,7 @@ class SystemParams:
             value = getattr(self, name)
             if not isinstance(value, enum):
                 object.__setattr__(self, name, enum(str(value).lower()))
-        if self.decode_cost is not None and not isinstance(self.decode_cost, DecodeCost):
+        if not isinstance(self.decode_cost, DecodeCost):
             object.__setattr__(self, "decode_cost", DecodeCost(str(self.decode_cost).lower()))
         if self.M_total <= 0:
             raise ValueError(f"M_total must be positive, got {self.M_total}")
@@ -114,9 +113,7 @@ class SystemParams:
 
     @property
     def cost(self) -> DecodeCost:
-        if self.decode_cost is not None:
-            return self.decode_cost
-        return DecodeCost.ONE if self.prefill else DecodeCost.CONTEXT
+        return self.decode_cost
 
 
 @dataclass(eq=False, slots=True)
@@ -386,10 +383,12 @@ class DecodeSystem:
             if req.decoded > req.max_decoded:
                 req.max_decoded = req.decoded
                 emitted.append(req.request_id)
-            if lru is not None:
-                lru.move_to_end(req.request_id)
             if req.decoded >= req.decode_length:
                 finished.append(req)
+        if lru is not None:
+            # ties within a batch break LIFO: the latest to enter RUNNING becomes the least recent
+            for req, _ in reversed(batch):
+                lru.move_to_end(req.request_id)
         counters["generation_tokens"] += len(decoded)
         counters["emitted_tokens"] += len(emitted)
         memory_peak = self._memory

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from simulation.core import (
+    DecodeCost,
     DecodeSystem,
     PreemptionMode,
     RequestState,
@@ -161,7 +162,8 @@ def test_lru_victim_is_the_least_recently_executed():
     # B=15 lets only the oldest request (cost 10 + position) run each batch, so B and C are never executed;
     # LRU picks B (idle longest, entered before C), LIFO would pick C.
     params = SystemParams(M_total=40, B=15, d_0=1.0, d_1=0.0, mode=PreemptionMode.SWAP,
-                          strategy=Strategy.AGGRESSIVE, victim_policy=VictimPolicy.LRU)
+                          strategy=Strategy.AGGRESSIVE, victim_policy=VictimPolicy.LRU,
+                          decode_cost=DecodeCost.CONTEXT)
     system = DecodeSystem(params)
     for name in ("A", "B", "C"):
         system.add(SimRequest(name, 0.0, 10, 20))
@@ -214,7 +216,7 @@ def test_conservative_keeps_growth_headroom_and_preempts_less():
 
 
 def test_budget_limits_the_batch_and_duration_follows_it():
-    params = SystemParams(M_total=10_000, B=100, d_0=2.0, d_1=0.5)
+    params = SystemParams(M_total=10_000, B=100, d_0=2.0, d_1=0.5, decode_cost=DecodeCost.CONTEXT)
     system = DecodeSystem(params)
     for i in range(5):
         system.add(SimRequest(f"r{i}", 0.0, 30, 5))
@@ -224,6 +226,16 @@ def test_budget_limits_the_batch_and_duration_follows_it():
     assert res.running == 5
     assert res.duration == pytest.approx(2.0 + 0.5 * 90)
     assert res.decoded == ("r0", "r1", "r2")
+
+
+def test_one_token_per_decode_is_the_default_budget():
+    params = SystemParams(M_total=10_000, B=3, d_0=1.0, d_1=0.1)
+    system = DecodeSystem(params)
+    for i in range(5):
+        system.add(SimRequest(f"r{i}", 0.0, 30, 5))
+    res = system.step(0.0)
+    assert res.batch_count == 3 and res.batch_tokens == 3 and res.running == 5
+    assert res.duration == pytest.approx(1.3)
 
 
 def test_cancel_frees_memory_in_every_state():
