@@ -57,7 +57,8 @@ from .scheduler import LengthLimitExceeded, QueueFull, effective_max_tokens
 
 log = logging.getLogger(__name__)
 
-JSON_HEADERS = {"content-type": "application/json"}
+REQUEST_ID_HEADER = "x-modelpool-engine-request-id"
+"""The engine's own request id (the key of /slots and /debug/steps)."""
 
 
 class EngineHeader:
@@ -106,9 +107,10 @@ async def _next_event(queue: asyncio.Queue[EngineEvent], disconnected: asyncio.F
 class _SSEStream:
     """A hand-written SSE response that cancels the engine request when the client leaves."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None], request_id: int) -> None:
         self._chunks = chunks
         self._on_close = on_close
+        self._request_id = request_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -119,6 +121,7 @@ class _SSEStream:
                     (b"content-type", b"text/event-stream; charset=utf-8"),
                     (b"cache-control", b"no-cache"),
                     (b"x-accel-buffering", b"no"),
+                    (REQUEST_ID_HEADER.encode(), str(self._request_id).encode()),
                 ],
             }
         )
@@ -222,6 +225,26 @@ class EngineAPI:
             return list(prompt)
         return self._tokenize(prompt)
 
+    def _logit_bias(self, body: Any) -> tuple[tuple[int, float], ...]:
+        raw = getattr(body, "logit_bias", None) or (body.model_extra or {}).get("logit_bias") or {}
+        if not isinstance(raw, dict):
+            raise bad_request("logit_bias must map token ids to numbers", param="logit_bias")
+        n_vocab = self.engine.backend.n_vocab  # type: ignore[union-attr]
+        out: list[tuple[int, float]] = []
+        for key, value in raw.items():
+            try:
+                token, bias = int(key), float(value)
+            except (TypeError, ValueError):
+                raise bad_request(f"logit_bias entry {key!r}: {value!r} is not token id -> number", param="logit_bias") from None
+            if not 0 <= token < n_vocab or not -100 <= bias <= 100:
+                raise bad_request(
+                    f"logit_bias entry {key!r}: token ids lie in 0..{n_vocab - 1} and biases in [-100, 100]",
+                    param="logit_bias",
+                )
+            # OpenAI's -100 means "never": make it exact rather than merely unlikely.
+            out.append((token, float("-inf") if bias <= -100 else bias))
+        return tuple(out)
+
     def _tokenize(self, text: str) -> list[int]:
         backend = self.engine.backend
         assert backend is not None
@@ -266,6 +289,7 @@ class EngineAPI:
                 seed=body.seed,  # type: ignore[attr-defined]
                 max_tokens=max_tokens,
                 stop=tuple(body.stop_list()),  # type: ignore[attr-defined]
+                logit_bias=self._logit_bias(body),
             )
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
@@ -326,7 +350,7 @@ class EngineAPI:
                 if finished:
                     yield SSE_DONE
 
-            return _SSEStream(chunks(), close)  # type: ignore[return-value]
+            return _SSEStream(chunks(), close, request_id)  # type: ignore[return-value]
 
         parts: list[str] = []
         event = first
@@ -364,7 +388,11 @@ class EngineAPI:
                 usage=usage,
                 system_fingerprint=ENGINE_NAME,
             )
-        return Response(out.model_dump_json(exclude_none=True), media_type="application/json")
+        return Response(
+            out.model_dump_json(exclude_none=True),
+            media_type="application/json",
+            headers={REQUEST_ID_HEADER: str(request_id)},
+        )
 
     def _finish_error(self, event: FinishEvent) -> APIError:
         if event.state == RequestState.TIMEOUT:

@@ -25,11 +25,24 @@ log = logging.getLogger(__name__)
 _backend_init_lock = threading.Lock()
 _backend_initialised = False
 
+# ggml log levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation.
+_GGML_WARN, _GGML_ERROR = 3, 4
+
+
+@llama.llama_log_callback
+def _forward_llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # llama.cpp logs hundreds of info/debug lines per context; only problems reach our log.
+    if level == _GGML_ERROR:
+        log.error("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+    elif level == _GGML_WARN:
+        log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
 
 def _init_llama_backend() -> None:
     global _backend_initialised
     with _backend_init_lock:
         if not _backend_initialised:
+            llama.llama_log_set(_forward_llama_log, ctypes.c_void_p(0))
             llama.llama_backend_init()
             _backend_initialised = True
 
@@ -206,6 +219,13 @@ class Sampler:
     def __init__(self, backend: LlamaBackend, params: SamplingParams) -> None:
         self._backend = backend
         self.chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
+        if params.logit_bias:
+            biases = (llama.llama_logit_bias * len(params.logit_bias))()
+            for i, (token, bias) in enumerate(params.logit_bias):
+                biases[i].token, biases[i].bias = token, bias
+            llama.llama_sampler_chain_add(
+                self.chain, llama.llama_sampler_init_logit_bias(backend.n_vocab, len(params.logit_bias), biases)
+            )
         if params.greedy:
             llama.llama_sampler_chain_add(self.chain, llama.llama_sampler_init_greedy())
             return

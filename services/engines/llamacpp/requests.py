@@ -42,6 +42,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,284 @@
+"""Benchmark: the llama.cpp engine against llama-cpp-python's own server and the bare decode limit.
+
+All three run in this one invocation, on the same model and thread count:
+
+- stock: `python -m llama_cpp.server --interrupt_requests False` (llama-cpp-python's
+  server, told to queue concurrent requests instead of aborting the running stream);
+- limit: a bare loop of batched `llama_decode` calls with N sequences, no HTTP,
+  no scheduling: the most any engine on this library reaches on this machine;
+- ours: `modelpool engine llama.cpp` over HTTP.
+
+Each level c in --concurrency runs c client streams, each sending --rounds
+chat requests back to back (greedy, --max-tokens output with end-of-generation
+suppressed by logit_bias so every answer has the same length). Reported:
+aggregate output tokens/s and client-side TTFT p50/p95. The last line printed
+is one JSON object.
+
+    .venv/bin/python bench/llamacpp_engine.py [--threads 2] [--concurrency 1,4,8,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.engines.llamacpp.llama_backend import BackendConfig, LlamaBackend  # noqa: E402
+from services.engines.llamacpp.model_files import default_model_path  # noqa: E402
+from services.engines.llamacpp.scheduler import SeqWork  # noqa: E402
+
+STOCK_EXTRAS = ("fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
+TOPICS = [
+    "the sea", "a lighthouse", "a train journey", "winter in the mountains", "a lost cat", "the moon",
+    "a busy market", "an old library", "a thunderstorm", "a desert night", "a small bakery", "a robot gardener",
+    "a river boat", "autumn leaves", "a city at dawn", "a chess game",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}."}]
+
+
+# --------------------------------------------------------------------------- limit
+
+
+def bare_decode_limit(model: Path, threads: int, n_seq_max: int, n_ctx: int, levels: list[int], max_tokens: int, rounds: int) -> dict[int, float]:
+    """Aggregate tokens/s of prefill + max_tokens batched decode steps over N sequences."""
+    backend = LlamaBackend(BackendConfig(model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=512, threads=threads))
+    template = backend.chat_template()
+    from services.engines.llamacpp.chat_template import ChatTemplate
+
+    tmpl = ChatTemplate(template)
+    prompts = [backend.tokenize(tmpl.render(messages(i)), add_special=True) for i in range(max(levels))]
+    results: dict[int, float] = {}
+    try:
+        for n in tqdm(levels, desc="limit (bare llama_decode)", leave=False):
+            tokens = 0
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                for s in range(n):
+                    backend.seq_rm(s, 0)
+                out = backend.decode([SeqWork(s, s, prompts[s], 0, True, "prefill") for s in range(n)])
+                nxt = [int(backend.logits(out[s]).argmax()) for s in range(n)]
+                pos = [len(prompts[s]) for s in range(n)]
+                for _step in range(max_tokens - 1):
+                    out = backend.decode([SeqWork(s, s, [nxt[s]], pos[s], True, "decode") for s in range(n)])
+                    for s in range(n):
+                        nxt[s] = int(backend.logits(out[s]).argmax())
+                        pos[s] += 1
+                tokens += n * max_tokens
+            results[n] = tokens / (time.perf_counter() - t0)
+    finally:
+        backend.close()
+    return results
+
+
+# --------------------------------------------------------------------------- servers
+
+
+def start_server(cmd: list[str], port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    log = log_path.open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            if r.status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.terminate()
+    raise RuntimeError(f"server did not come up; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int, eog_bias: dict[str, float]) -> tuple[float, int]:
+    body = {
+        "model": model,
+        "messages": messages(i),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "logit_bias": eog_bias,
+    }
+    t0 = time.perf_counter()
+    ttft = None
+    n = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    n += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+    return (ttft if ttft is not None else float("nan")), n
+
+
+async def load_level(url: str, model: str, c: int, rounds: int, max_tokens: int, eog_bias: dict[str, float]) -> dict[str, float]:
+    ttfts: list[float] = []
+    tokens = 0
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=c + 4)) as client:
+
+        async def worker(w: int) -> None:
+            nonlocal tokens
+            for r in range(rounds):
+                ttft, n = await one_stream(client, url, model, w * rounds + r, max_tokens, eog_bias)
+                ttfts.append(ttft)
+                tokens += n
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(c)))
+        wall = time.perf_counter() - t0
+    return {
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_ms": percentile(ttfts, 0.5) * 1000,
+        "ttft_p95_ms": percentile(ttfts, 0.95) * 1000,
+        "tokens": tokens,
+        "wall_s": wall,
+    }
+
+
+def run_levels(name: str, url: str, model: str, levels: list[int], rounds: int, max_tokens: int, eog_bias: dict[str, float]) -> dict[int, dict[str, float]]:
+    # one warm-up request so model pages and caches are hot for both servers alike
+    asyncio.run(load_level(url, model, 1, 1, 8, eog_bias))
+    return {c: asyncio.run(load_level(url, model, c, rounds, max_tokens, eog_bias)) for c in tqdm(levels, desc=name, leave=False)}
+
+
+def stock_available() -> str | None:
+    import importlib.util
+
+    missing = [m for m in STOCK_EXTRAS if importlib.util.find_spec(m) is None]
+    if missing:
+        return (
+            f"llama_cpp.server needs {', '.join(missing)}: install them with "
+            f"`.venv/bin/pip install 'llama-cpp-python[server]==0.3.36' --find-links ~/.cache/modelpool/wheels` "
+            f"(or: pip install fastapi sse-starlette starlette-context pydantic-settings)"
+        )
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="requests per client stream at each level")
+    ap.add_argument("--skip-stock", action="store_true")
+    ap.add_argument("--logs", type=Path, default=Path("/tmp"), help="where server logs go")
+    args = ap.parse_args()
+    model = args.model or default_model_path()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    n_seq = max(levels)
+    n_ctx = n_seq * 1024
+
+    # The same backend settings for our engine and the bare loop: one KV stream per sequence.
+    limit = bare_decode_limit(model, args.threads, n_seq, n_ctx, levels, args.max_tokens, rounds=1)
+
+    port = free_port()
+    ours_cmd = [
+        sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--model", str(model), "--port", str(port),
+        "--threads", str(args.threads), "--n-seq-max", str(n_seq), "--n-ctx", str(n_ctx),
+        "--max-running", str(n_seq), "--max-batch-size", str(n_seq), "--model-alias", "bench", "--log-level", "warning",
+    ]
+    backend = LlamaBackend(BackendConfig(model, n_ctx=256, n_seq_max=1, threads=1))
+    eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
+    backend.close()
+    eog_bias = {str(t): -100.0 for t in eog}
+
+    proc = start_server(ours_cmd, port, args.logs / "bench_llamacpp_ours.log")
+    try:
+        ours = run_levels("ours", f"http://127.0.0.1:{port}", "bench", levels, args.rounds, args.max_tokens, eog_bias)
+    finally:
+        stop_server(proc)
+
+    stock: dict[int, dict[str, float]] = {}
+    problem = None if not args.skip_stock else "skipped (--skip-stock)"
+    if problem is None:
+        problem = stock_available()
+    if problem is None:
+        port = free_port()
+        stock_cmd = [
+            sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
+            "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
+            "--interrupt_requests", "False", "--model_alias", "bench",
+        ]
+        proc = start_server(stock_cmd, port, args.logs / "bench_llamacpp_stock.log")
+        try:
+            stock = run_levels("stock", f"http://127.0.0.1:{port}", "bench", levels, args.rounds, args.max_tokens, eog_bias)
+        finally:
+            stop_server(proc)
+    else:
+        print(f"stock server not measured: {problem}", file=sys.stderr)
+
+    print(f"model {model.name}, threads {args.threads}, max_tokens {args.max_tokens}, rounds {args.rounds}")
+    print(f"{'streams':>7} | {'ours tok/s':>10} | {'stock tok/s':>11} | {'limit tok/s':>11} | {'ours/stock':>10} | {'ours/limit':>10} | {'ours TTFT p50/p95 ms':>20} | {'stock TTFT p50/p95 ms':>21}")
+    for c in levels:
+        o, s, lim = ours[c], stock.get(c), limit[c]
+        st = f"{s['tokens_per_s']:11.1f}" if s else f"{'-':>11}"
+        ratio = f"{o['tokens_per_s'] / s['tokens_per_s']:10.2f}" if s else f"{'-':>10}"
+        sttft = f"{s['ttft_p50_ms']:9.0f} / {s['ttft_p95_ms']:9.0f}" if s else f"{'-':>21}"
+        print(f"{c:>7} | {o['tokens_per_s']:10.1f} | {st} | {lim:11.1f} | {ratio} | {o['tokens_per_s'] / lim:10.2f} | {o['ttft_p50_ms']:8.0f} / {o['ttft_p95_ms']:9.0f} | {sttft}")
+
+    def r(x: float | None, nd: int = 3) -> float | None:
+        return None if x is None else round(x, nd)
+
+    result = {
+        "ratio_tokens_per_s_c1": r(ours[1]["tokens_per_s"] / stock[1]["tokens_per_s"]) if 1 in stock and 1 in ours else None,
+        "ratio_tokens_per_s_c8": r(ours[8]["tokens_per_s"] / stock[8]["tokens_per_s"]) if 8 in stock and 8 in ours else None,
+        "efficiency_c8": r(ours[8]["tokens_per_s"] / limit[8]) if 8 in ours else None,
+        "ours_tokens_per_s_c8": r(ours[8]["tokens_per_s"], 1) if 8 in ours else None,
+        "stock_tokens_per_s_c8": r(stock[8]["tokens_per_s"], 1) if 8 in stock else None,
+        "limit_tokens_per_s_c8": r(limit.get(8), 1),
+        "ours_ttft_p50_ms_c8": r(ours[8]["ttft_p50_ms"], 1) if 8 in ours else None,
+        "stock_ttft_p50_ms_c8": r(stock[8]["ttft_p50_ms"], 1) if 8 in stock else None,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
