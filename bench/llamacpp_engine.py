@@ -104,7 +104,7 @@ def bare_decode_limit(model: Path, threads: int, n_seq_max: int, n_ctx: int, lev
 # --------------------------------------------------------------------------- servers
 
 
-def start_server(cmd: list[str], port: int, log_path: Path) -> subprocess.Popen[bytes]:
+def start_server(cmd: list[str], port: int, log_path: Path, ready_path: str) -> subprocess.Popen[bytes]:
     log = log_path.open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.time() + 120
@@ -112,7 +112,7 @@ def start_server(cmd: list[str], port: int, log_path: Path) -> subprocess.Popen[
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
         try:
-            r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            r = httpx.get(f"http://127.0.0.1:{port}{ready_path}", timeout=2)
             if r.status_code == 200:
                 return proc
         except httpx.HTTPError:
@@ -229,7 +229,7 @@ def main() -> int:
     backend.close()
     eog_bias = {str(t): -100.0 for t in eog}
 
-    proc = start_server(ours_cmd, port, args.logs / "bench_llamacpp_ours.log")
+    proc = start_server(ours_cmd, port, args.logs / "bench_llamacpp_ours.log", "/health")
     try:
         ours = run_levels("ours", f"http://127.0.0.1:{port}", "bench", levels, args.rounds, args.max_tokens, eog_bias)
     finally:
@@ -246,7 +246,7 @@ def main() -> int:
             "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
             "--interrupt_requests", "False", "--model_alias", "bench",
         ]
-        proc = start_server(stock_cmd, port, args.logs / "bench_llamacpp_stock.log")
+        proc = start_server(stock_cmd, port, args.logs / "bench_llamacpp_stock.log", "/v1/models")
         try:
             stock = run_levels("stock", f"http://127.0.0.1:{port}", "bench", levels, args.rounds, args.max_tokens, eog_bias)
         finally:

@@ -143,6 +143,32 @@ def test_timeout_gets_408_and_frees_the_sequence(make_server) -> None:  # type: 
     assert ok.status_code == 200
 
 
+def test_engine_failure_gets_500_and_frees_the_sequence(make_server) -> None:  # type: ignore[no-untyped-def]
+    from services.engines.llamacpp.llama_backend import DecodeError
+
+    srv: RunningServer = make_server(n_seq_max=2)
+    backend = srv.engine.backend
+    real_decode = backend.decode
+    calls = {"n": 0}
+
+    def failing_decode(work):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:  # a few tokens in
+            raise DecodeError("injected failure")
+        return real_decode(work)
+
+    backend.decode = failing_decode
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", json=chat(srv.alias, "Tell me a story.", max_tokens=50, logit_bias=NO_EOG), timeout=60)
+    finally:
+        backend.decode = real_decode
+    assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+    assert all(s["state"] == "free" and s["n_tokens"] == 0 for s in httpx.get(srv.url + "/slots").json()["slots"])
+    assert srv.engine.metrics.failures_500 == 1
+    ok = httpx.post(srv.url + "/v1/chat/completions", json=chat(srv.alias, "Say hi.", max_tokens=3), timeout=60)
+    assert ok.status_code == 200
+
+
 def test_disconnect_mid_stream_frees_the_sequence_within_one_step(server: RunningServer) -> None:
     engine = server.engine
     cancel_marks: list[int] = []

@@ -277,7 +277,7 @@ class EngineAPI:
                     body.output_limit(),  # type: ignore[attr-defined]
                     max_input=s.max_input_tokens,
                     max_output=s.max_output_tokens,
-                    ctx_per_seq=s.ctx_per_seq,
+                    ctx_per_seq=self.engine.backend.n_ctx_seq,  # type: ignore[union-attr]
                 )
             except LengthLimitExceeded as exc:
                 raise bad_request(str(exc), param=exc.param if chat or exc.param != "messages" else "prompt", code="context_length_exceeded") from exc

@@ -86,7 +86,7 @@ class LlamaBackend:
         self.memory = llama.llama_get_memory(self.ctx)
         self.n_vocab = llama.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = llama.llama_n_ctx(self.ctx)
-        self.n_ctx_seq = self.n_ctx // config.n_seq_max
+        self.n_ctx_seq = llama.llama_n_ctx_seq(self.ctx)
         self.add_bos = bool(llama.llama_vocab_get_add_bos(self.vocab))
         self._batch = llama.llama_batch_init(config.n_batch, 0, config.n_seq_max)
         self._tok = np.ctypeslib.as_array(self._batch.token, shape=(config.n_batch,))
