@@ -194,6 +194,10 @@ def _log_tail(path: Path, limit: int = 4000) -> str:
     return text[-limit:].strip() or "(empty log)"
 
 
+class _PortTaken(EmbeddedServerError):
+    """The server could not bind its port: someone took it after we picked it."""
+
+
 def _wait_until(
     ready: Callable[[], bool],
     proc: subprocess.Popen[bytes],
@@ -201,16 +205,29 @@ def _wait_until(
     what: str,
     timeout_s: float,
     log_path: Path,
+    log_offset: int = 0,
 ) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise EmbeddedServerError(f"{what} exited with code {proc.returncode} while starting; its log ({log_path}):\n{_log_tail(log_path)}")
+            message = f"{what} exited with code {proc.returncode} while starting; its log ({log_path}):\n{_log_tail(log_path)}"
+            try:
+                with open(log_path, "rb") as f:
+                    f.seek(log_offset)
+                    this_attempt = f.read().decode(errors="replace").lower()
+            except OSError:
+                this_attempt = ""
+            raise (_PortTaken if "address already in use" in this_attempt else EmbeddedServerError)(message)
         if ready():
             return
         if time.monotonic() > deadline:
             raise EmbeddedServerError(f"{what} did not become ready within {timeout_s:.0f} s; its log ({log_path}):\n{_log_tail(log_path)}")
         time.sleep(0.05)
+
+
+# A port picked by free_port() can be taken by another process before the
+# server binds it; with ports we chose ourselves, pick again this many times.
+_PORT_ATTEMPTS = 4
 
 
 class _EmbeddedServer:
@@ -314,20 +331,30 @@ class EmbeddedNats(_EmbeddedServer):
             return self
         binary = self.binary or find_nats_server()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.port = self.requested_port or free_port()
-        self.monitor_port = self.requested_monitor_port or free_port()
-        argv = [
-            str(binary),
-            "--addr", LOCALHOST,
-            "--port", str(self.port),
-            "--http_port", str(self.monitor_port),
-            "--jetstream",
-            "--store_dir", str(self.data_dir),
-        ]  # fmt: skip
         self._log_file = open(self.log_path, "wb")
-        self._proc = spawn(argv, output=self._log_file, death_signal=signal.SIGTERM)
         try:
-            _wait_until(self._jetstream_healthy, self._proc, what="nats-server", timeout_s=self.startup_timeout_s, log_path=self.log_path)
+            for attempt in range(1, _PORT_ATTEMPTS + 1):
+                self.port = self.requested_port or free_port()
+                self.monitor_port = self.requested_monitor_port or free_port()
+                argv = [
+                    str(binary),
+                    "--addr", LOCALHOST,
+                    "--port", str(self.port),
+                    "--http_port", str(self.monitor_port),
+                    "--jetstream",
+                    "--store_dir", str(self.data_dir),
+                ]  # fmt: skip
+                offset = self._log_file.tell()
+                self._proc = spawn(argv, output=self._log_file, death_signal=signal.SIGTERM)
+                try:
+                    _wait_until(
+                        self._jetstream_healthy, self._proc, what="nats-server", timeout_s=self.startup_timeout_s, log_path=self.log_path, log_offset=offset
+                    )
+                    break
+                except _PortTaken:
+                    chosen = not (self.requested_port and self.requested_monitor_port)
+                    if not chosen or attempt == _PORT_ATTEMPTS:
+                        raise
         except BaseException:
             self.stop()
             raise
@@ -484,24 +511,32 @@ class EmbeddedPostgres(_EmbeddedServer):
             return self
         self.bin_dir = self.bin_dir or find_postgres_bin()
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._refuse_if_running()  # before touching the log a running server writes to
         self._log_file = open(self.log_path, "wb")
         try:
             self.account = self._choose_account()
             if not (self.pgdata / "PG_VERSION").is_file():
                 self._initdb()
             self._clear_stale_lock()
-            self.port = self.requested_port or free_port()
-            argv = [
-                self._bin("postgres"),
-                "-D", str(self.pgdata),
-                "-h", LOCALHOST,
-                "-p", str(self.port),
-                "-k", "",  # no Unix socket: TCP only, and no socket path length limits
-                "-c", "logging_collector=off",
-            ]  # fmt: skip
-            # SIGINT is Postgres' "fast shutdown": roll back sessions, checkpoint, exit.
-            self._proc = spawn(argv, output=self._log_file, death_signal=signal.SIGINT, account=self.account)
-            _wait_until(self._accepting, self._proc, what="postgres", timeout_s=self.startup_timeout_s, log_path=self.log_path)
+            for attempt in range(1, _PORT_ATTEMPTS + 1):
+                self.port = self.requested_port or free_port()
+                argv = [
+                    self._bin("postgres"),
+                    "-D", str(self.pgdata),
+                    "-h", LOCALHOST,
+                    "-p", str(self.port),
+                    "-k", "",  # no Unix socket: TCP only, and no socket path length limits
+                    "-c", "logging_collector=off",
+                ]  # fmt: skip
+                offset = self._log_file.tell()
+                # SIGINT is Postgres' "fast shutdown": roll back sessions, checkpoint, exit.
+                self._proc = spawn(argv, output=self._log_file, death_signal=signal.SIGINT, account=self.account)
+                try:
+                    _wait_until(self._accepting, self._proc, what="postgres", timeout_s=self.startup_timeout_s, log_path=self.log_path, log_offset=offset)
+                    break
+                except _PortTaken:
+                    if self.requested_port or attempt == _PORT_ATTEMPTS:
+                        raise
             self._ensure_database()
         except BaseException:
             self.stop()
@@ -563,22 +598,31 @@ class EmbeddedPostgres(_EmbeddedServer):
             raise EmbeddedServerError(f"initdb failed with code {result.returncode}; its log ({self.log_path}):\n{_log_tail(self.log_path)}")
         staging.rename(self.pgdata)
 
-    def _clear_stale_lock(self) -> None:
-        """Remove postmaster.pid left by a server that is gone; refuse if one runs."""
-        lock = self.pgdata / "postmaster.pid"
+    def _postmaster_pid(self) -> int | None:
+        """The pid in postmaster.pid if a PostgreSQL server with that pid runs."""
         try:
-            pid = int(lock.read_text().split("\n", 1)[0])
+            pid = int((self.pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
         except (OSError, ValueError):
-            return
+            return None
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            program = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0]
         except OSError:
-            cmdline = []
-        if is_alive(pid) and cmdline and cmdline[0].endswith(b"postgres"):
+            return None
+        return pid if is_alive(pid) and program.endswith(b"postgres") else None
+
+    def _refuse_if_running(self) -> None:
+        pid = self._postmaster_pid()
+        if pid is not None:
             raise EmbeddedServerError(f"a PostgreSQL server (pid {pid}) is already running on {self.pgdata}; stop it or use another data directory")
-        # A container restart can hand the recorded pid to an unrelated process,
-        # which Postgres would take for a live server and refuse to start.
-        lock.unlink(missing_ok=True)
+
+    def _clear_stale_lock(self) -> None:
+        """Remove a postmaster.pid whose server is gone.
+
+        A container restart can hand the recorded pid to an unrelated process,
+        which Postgres would take for a live server and refuse to start.
+        """
+        self._refuse_if_running()
+        (self.pgdata / "postmaster.pid").unlink(missing_ok=True)
 
     def _accepting(self) -> bool:
         argv = [self._bin("pg_isready"), "-q", "-h", LOCALHOST, "-p", str(self.port), "-U", self.superuser, "-d", "postgres"]

@@ -140,3 +140,25 @@ def test_servers_die_with_a_parent_killed_by_sigkill(tmp_path: Path) -> None:
         parent.wait()
     assert wait_gone(started, timeout_s=15) == []
     assert pids_mentioning(marker) == []
+
+
+def test_a_port_taken_after_it_was_picked_is_replaced_by_another(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from services.ops import embedded
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        real_free_port = embedded.free_port
+        picks = iter([taken])
+        monkeypatch.setattr(embedded, "free_port", lambda host="127.0.0.1": next(picks, None) or real_free_port(host))
+        with EmbeddedNats(tmp_path / "nats") as server:
+            assert server.port != taken
+            assert "address already in use" in server.log_path.read_text().lower()  # the first attempt lost the race
+
+        # A port the caller asked for is not silently replaced.
+        with pytest.raises(EmbeddedServerError, match="already in use"):
+            EmbeddedNats(tmp_path / "nats", port=taken).start()
+    assert pids_mentioning(tmp_path) == []
