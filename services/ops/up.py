@@ -59,14 +59,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=Path(env.get("MODELPOOL_DATA_DIR", ".modelpool")),
         help="where the embedded servers keep their data between runs (default: .modelpool)",
     )
-    parser.add_argument("--gateway-port", type=int, default=int(env.get("MODELPOOL_GATEWAY_PORT", "8000")), help="the gateway's HTTP port (default: 8000)")
+    # A string default goes through `type`, so a bad MODELPOOL_GATEWAY_PORT is a usage error.
+    parser.add_argument("--gateway-port", type=int, default=env.get("MODELPOOL_GATEWAY_PORT", "8000"), help="the gateway's HTTP port (default: 8000)")
     parser.add_argument("--nats-port", type=int, default=0, help="port for the embedded NATS server (default: any free port)")
     parser.add_argument("--postgres-port", type=int, default=0, help="port for the embedded Postgres (default: any free port)")
     parser.add_argument("--config", type=Path, default=None, help="alias configuration file (sets MODELPOOL_CONFIG)")
     parser.add_argument("--namespace", default=None, help="bus and schema namespace (sets MODELPOOL_NAMESPACE)")
     parser.add_argument("--services", default=",".join(SERVICES), help=f"comma-separated services to start (default: {','.join(SERVICES)})")
-    parser.add_argument("--stop-timeout", type=float, default=10.0,
-                        help="seconds services get to exit after SIGTERM before SIGKILL (default: 10)")  # fmt: skip
+    parser.add_argument("--stop-timeout", type=float, default=10.0, help="seconds services get to exit after SIGTERM before SIGKILL (default: 10)")
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.services.split(",") if name.strip()]
     unknown = sorted(set(names) - set(SERVICES))
