@@ -11,7 +11,8 @@ Lifetime rules, the same for both servers:
   terminal reaches only the parent, which then stops the server in order;
 - the kernel sends the server a signal when the thread that started it dies
   (PR_SET_PDEATHSIG), so even a SIGKILLed parent leaves nothing running; start
-  servers from a thread that lives as long as they should (the main thread);
+  servers from a thread that lives as long as they should (the main thread),
+  or pass `die_with_parent=False` and rely on `stop()` alone;
 - the data directory is kept between runs: a second start skips initialisation
   and only replays what the server needs to recover.
 """
@@ -72,7 +73,7 @@ def free_port(host: str = LOCALHOST) -> int:
         return int(sock.getsockname()[1])
 
 
-def _child_setup(account: Account | None, death_signal: int, parent_pid: int) -> Callable[[], None]:
+def _child_setup(account: Account | None, death_signal: int | None, parent_pid: int) -> Callable[[], None]:
     """The function run in the forked child before exec.
 
     Order matters: the kernel clears the parent-death signal whenever the
@@ -85,6 +86,8 @@ def _child_setup(account: Account | None, death_signal: int, parent_pid: int) ->
             os.setgroups([])
             os.setgid(account.gid)
             os.setuid(account.uid)
+        if death_signal is None:
+            return
         _LIBC.prctl(_PR_SET_PDEATHSIG, death_signal, 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os.kill(os.getpid(), death_signal)
@@ -96,12 +99,14 @@ def spawn(
     argv: list[str],
     *,
     output: IO[bytes] | int | None,
-    death_signal: int = signal.SIGTERM,
+    death_signal: int | None = signal.SIGTERM,
     account: Account | None = None,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start `argv` in a new session (its own process group), tied to our life.
+
+    The child gets `death_signal` when the thread calling this dies (None: never).
 
     `preexec_fn` is safe with threads here: the child only makes system calls
     through functions resolved before the fork, and takes no Python locks.
@@ -305,8 +310,10 @@ class EmbeddedNats(_EmbeddedServer):
         binary: Path | None = None,
         startup_timeout_s: float = 30.0,
         stop_timeout_s: float = 10.0,
+        die_with_parent: bool = True,
     ) -> None:
         super().__init__()
+        self.die_with_parent = die_with_parent
         self.data_dir = Path(data_dir).absolute()
         self.requested_port = port
         self.requested_monitor_port = monitor_port
@@ -345,7 +352,7 @@ class EmbeddedNats(_EmbeddedServer):
                     "--store_dir", str(self.data_dir),
                 ]  # fmt: skip
                 offset = self._log_file.tell()
-                self._proc = spawn(argv, output=self._log_file, death_signal=signal.SIGTERM)
+                self._proc = spawn(argv, output=self._log_file, death_signal=signal.SIGTERM if self.die_with_parent else None)
                 try:
                     _wait_until(
                         self._jetstream_healthy, self._proc, what="nats-server", timeout_s=self.startup_timeout_s, log_path=self.log_path, log_offset=offset
@@ -472,8 +479,10 @@ class EmbeddedPostgres(_EmbeddedServer):
         account: str = SERVICE_ACCOUNT,
         startup_timeout_s: float = 60.0,
         stop_timeout_s: float = 15.0,
+        die_with_parent: bool = True,
     ) -> None:
         super().__init__()
+        self.die_with_parent = die_with_parent
         if not _DATABASE_NAME.match(database):
             raise ValueError(f"database name {database!r} must match {_DATABASE_NAME.pattern}")
         self.data_dir = Path(data_dir).absolute()
@@ -530,7 +539,8 @@ class EmbeddedPostgres(_EmbeddedServer):
                 ]  # fmt: skip
                 offset = self._log_file.tell()
                 # SIGINT is Postgres' "fast shutdown": roll back sessions, checkpoint, exit.
-                self._proc = spawn(argv, output=self._log_file, death_signal=signal.SIGINT, account=self.account)
+                death_signal = signal.SIGINT if self.die_with_parent else None
+                self._proc = spawn(argv, output=self._log_file, death_signal=death_signal, account=self.account)
                 try:
                     _wait_until(self._accepting, self._proc, what="postgres", timeout_s=self.startup_timeout_s, log_path=self.log_path, log_offset=offset)
                     break
