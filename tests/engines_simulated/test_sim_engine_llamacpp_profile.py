@@ -11,7 +11,7 @@ from sim_engine_support import chat, start_engine, wait_for
 
 
 def test_health_is_503_while_loading_then_200() -> None:
-    running = start_engine("llama.cpp", startup_s=0.5)
+    running = start_engine("llama.cpp", startup_s=2.0)
     try:
         loading = httpx.get(f"{running.url}/health")
         assert loading.status_code == 503
