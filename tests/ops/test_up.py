@@ -126,6 +126,9 @@ def test_up_serves_then_ctrl_c_stops_everything(data_dir: Path, tmp_path: Path, 
     assert cluster.processes() == []
     assert pids_mentioning(data_dir) == []
     assert "stopped" in cluster.output().splitlines()[-1]
+    # Every service stopped on its own SIGTERM; none needed the SIGKILL fallback.
+    assert "did not stop within" not in cluster.output()
+    assert "killing leftover process" not in cluster.output()
 
 
 def test_a_service_dying_stops_the_cluster_with_an_error(data_dir: Path, tmp_path: Path, started: list[Cluster]) -> None:
