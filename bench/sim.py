@@ -166,13 +166,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_capacity(levels: list[int], warmup: float, window: float) -> tuple[list[Level], list[str]]:
+def engine_capacity(levels: list[int], warmup: float, window: float,
+                    timing: list[str]) -> tuple[list[Level], list[str]]:
     port = _free_port()
     model = "bench-sim"
     cmd = [
         sys.executable, "-m", "services.cli", "engine", "sim", "--profile", "vllm", "--port", str(port),
         "--model", model, "--startup-s", "0", "--max-num-seqs", "100000", "--kv-cache-tokens", "200000000",
-        "--max-model-len", "32768", "--no-prefix-caching",
+        "--max-model-len", "32768", "--no-prefix-caching", *timing,
     ]
     pinned = ["taskset", "-c", "0", *cmd]
     proc = subprocess.Popen(pinned, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -206,25 +207,27 @@ def engine_capacity(levels: list[int], warmup: float, window: float) -> tuple[li
             os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
 
 
-def plot_ramp(levels: list[Level], path: str) -> None:
+def plot_ramp(results: dict[str, list[Level]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [lv.streams for lv in levels]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    top.plot(x, [lv.client_tokens_per_s for lv in levels], "o-", label="received by clients")
-    top.plot(x, [lv.scheduled_tokens_per_s for lv in levels], "x--", label="scheduled by the decode model")
-    top.set_ylabel("streamed tokens/s")
-    top.legend()
-    top.set_title("Simulated vLLM engine on one core")
-    bottom.plot(x, [100 * lv.engine_drift for lv in levels], "o-", label="engine: wall / scheduled - 1")
-    bottom.plot(x, [100 * lv.client_drift for lv in levels], "x-", label="clients: scheduled / received - 1")
-    bottom.axhline(100 * DRIFT_LIMIT, color="red", linestyle=":", label="5 % limit")
-    bottom.set_xlabel("concurrent streams")
-    bottom.set_ylabel("drift (%)")
-    bottom.legend()
+    fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 6), sharex="col", squeeze=False)
+    for col, (name, levels) in enumerate(results.items()):
+        top, bottom = axes[0][col], axes[1][col]
+        x = [lv.streams for lv in levels]
+        top.plot(x, [lv.client_tokens_per_s for lv in levels], "o-", label="received by clients")
+        top.plot(x, [lv.scheduled_tokens_per_s for lv in levels], "x--", label="scheduled by the decode model")
+        top.set_ylabel("streamed tokens/s")
+        top.set_title(f"Simulated vLLM engine on one core ({name} timing)")
+        top.legend()
+        bottom.plot(x, [100 * lv.engine_drift for lv in levels], "o-", label="engine: wall / scheduled - 1")
+        bottom.plot(x, [100 * lv.client_drift for lv in levels], "x-", label="clients: scheduled / received - 1")
+        bottom.axhline(100 * DRIFT_LIMIT, color="red", linestyle=":", label="5 % limit")
+        bottom.set_xlabel("concurrent streams")
+        bottom.set_ylabel("drift (%)")
+        bottom.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -235,8 +238,10 @@ def plot_ramp(levels: list[Level], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--levels", default="100,250,500,750,1000,1250,1500,2000,2500,3000",
-                    help="concurrent streams per ramp step")
+    ap.add_argument("--levels", default="100,250,500,750,1000,1500,2000,2500,3000,4000",
+                    help="concurrent streams per ramp step, default timing")
+    ap.add_argument("--stress-levels", default="100,200,300,400,500,600,800,1000",
+                    help="concurrent streams per ramp step, stress timing (10 ms batches)")
     ap.add_argument("--warmup", type=float, default=1.5)
     ap.add_argument("--window", type=float, default=3.0)
     ap.add_argument("--skip-sim", action="store_true", help="only the engine capacity part")
@@ -247,27 +252,50 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_sim:
         out.update(simulator_speed())
 
-    levels = [int(x) for x in args.levels.split(",")]
-    ramp_levels, cmd = engine_capacity(levels, args.warmup, args.window)
-    held = [lv for lv in ramp_levels if lv.holds]
-    best = held[-1] if held else None
-    out["engine_max_streams"] = best.streams if best else 0
-    out["engine_tokens_per_s"] = round(best.client_tokens_per_s) if best else 0
+    # default: the vLLM profile's own timing (tokens/s is bounded by the model near 1/d_1 = 25k);
+    # stress: 10 ms batches whatever their size, so the engine's CPU is the only limit.
+    ramps = {
+        "default": ([int(x) for x in args.levels.split(",")], []),
+        "stress": ([int(x) for x in args.stress_levels.split(",")], ["--d-0", "0.01", "--d-1", "0"]),
+    }
+    results: dict[str, list[Level]] = {}
+    commands: dict[str, list[str]] = {}
+    for name, (levels, timing) in ramps.items():
+        tqdm.write(f"engine ramp, {name} timing")
+        results[name], commands[name] = engine_capacity(levels, args.warmup, args.window, timing)
+
+    def best(levels: list[Level]) -> Level | None:
+        held = [lv for lv in levels if lv.holds]
+        return max(held, key=lambda lv: lv.client_tokens_per_s) if held else None
+
+    def table(levels: list[Level]) -> list[dict[str, object]]:
+        return [
+            {"streams": lv.streams, "tokens_per_s": round(lv.client_tokens_per_s),
+             "scheduled_tokens_per_s": round(lv.scheduled_tokens_per_s),
+             "engine_drift": round(lv.engine_drift, 4), "client_drift": round(lv.client_drift, 4),
+             "engine_cpu": round(lv.engine_cpu, 3), "client_cpu": round(lv.client_cpu, 3),
+             "itl_ms": round(lv.extra["scheduled_itl_ms"], 2), "holds": lv.holds}
+            for lv in levels
+        ]
+
+    default, stress = best(results["default"]), best(results["stress"])
+    out["engine_max_streams"] = default.streams if default else 0
+    out["engine_tokens_per_s"] = round(default.client_tokens_per_s) if default else 0
     out["engine_vs_schedule_ratio"] = (
-        round(best.client_tokens_per_s / best.scheduled_tokens_per_s, 3) if best else 0.0)
-    out["engine_first_failing_level"] = next((lv.streams for lv in ramp_levels if not lv.holds), None)
-    out["engine_ramp"] = [
-        {"streams": lv.streams, "tokens_per_s": round(lv.client_tokens_per_s),
-         "scheduled_tokens_per_s": round(lv.scheduled_tokens_per_s),
-         "engine_drift": round(lv.engine_drift, 4), "client_drift": round(lv.client_drift, 4),
-         "engine_cpu": round(lv.engine_cpu, 3), "client_cpu": round(lv.client_cpu, 3),
-         "itl_ms": round(lv.extra["scheduled_itl_ms"], 2)}
-        for lv in ramp_levels
-    ]
+        round(default.client_tokens_per_s / default.scheduled_tokens_per_s, 3) if default else 0.0)
+    out["engine_first_failing_streams"] = next((lv.streams for lv in results["default"] if not lv.holds), None)
+    out["engine_stress_max_streams"] = stress.streams if stress else 0
+    out["engine_stress_tokens_per_s"] = round(stress.client_tokens_per_s) if stress else 0
+    out["engine_stress_first_failing_streams"] = next(
+        (lv.streams for lv in results["stress"] if not lv.holds), None)
+    out["engine_ramp"] = table(results["default"])
+    out["engine_stress_ramp"] = table(results["stress"])
     if args.plot:
-        plot_ramp(ramp_levels, args.plot)
+        plot_ramp(results, args.plot)
         out["engine_plot"] = args.plot
-    out["engine_command"] = " ".join(["taskset", "-c", "0", "python", *cmd[cmd.index("-m"):]])
+    out["engine_commands"] = {
+        name: " ".join(["taskset", "-c", "0", "python", *cmd[cmd.index("-m"):]]) for name, cmd in commands.items()
+    }
     print(json.dumps(out))
     return 0
 
