@@ -1,8 +1,9 @@
 """Benchmark: the decode simulator's speed and the simulated engine's capacity on one core.
 
-Part 1, simulator speed (no HTTP): the default seed-002 config (`simulation/configs`)
-at arrival rate x1 and x100 (memory and budget scaled with it), batches/s and
-requests/s of `DecodeSystem`, and batches/s as the number of RUNNING requests grows.
+Part 1, simulator speed (no HTTP), measured by `simulation.speed.measure_sim_speed`:
+the default seed-002 config at arrival rate x1 and x100 (memory and budget scaled
+with it), batches/s and requests/s of `DecodeSystem`, and batches/s as the number
+of RUNNING requests grows.
 
 Part 2, engine capacity: `modelpool engine sim --profile vllm` with its default
 timing (d_0 = 12 ms, d_1 = 40 us per token) runs in a subprocess pinned to CPU 0;
@@ -303,62 +304,26 @@ def main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------- simulator speed
 
 
-def _run_default(scale: int, n: int) -> dict[str, float]:
-    """The default seed-002 config with arrivals x`scale` (M_total and B scaled too), timed."""
-    from simulation.config import DEFAULT_CONFIG, load_config
-    from simulation.core import DecodeSystem
-    from simulation.runner import run_until_idle
-    from simulation.workload import generate, to_requests
-
-    cfg = load_config(DEFAULT_CONFIG)
-    base = cfg.params()
-    params = type(base)(**{**base.__dict__, "M_total": base.M_total * scale, "B": base.B * scale})
-    specs = generate(n, DEFAULT_RATE * scale, seed=cfg.experiment.seed)
-    requests = to_requests(specs)
-    system = DecodeSystem(params)
-    running: list[int] = []
-    t = time.perf_counter()
-    run_until_idle(system, requests, on_step=lambda r: running.append(r.running))
-    elapsed = time.perf_counter() - t
-    return {"scale": scale, "requests": n, "batches": system.batches, "seconds": round(elapsed, 3),
-            "batches_per_s": round(system.batches / elapsed), "requests_per_s": round(n / elapsed),
-            "mean_running": round(sum(running) / max(1, len(running)), 1)}
-
-
-def _batches_with_running(r: int, batches: int = 400) -> float:
-    """Batches/s with exactly `r` requests RUNNING for the whole measurement."""
-    from simulation.core import DecodeSystem, SimRequest, SystemParams
-
-    system = DecodeSystem(SystemParams(M_total=10**9, B=10**9, d_0=1.0, d_1=0.001))
-    for i in range(r):
-        system.add(SimRequest(f"r{i}", 0.0, 100, 10**6))
-    now = 0.0
-    system.step(now)  # admission
-    t = time.perf_counter()
-    for _ in range(batches):
-        now = system.step(now).end_time
-    return batches / (time.perf_counter() - t)
-
-
-DEFAULT_RATE = 0.08  # `modelpool sim generate` default: requests per batch-time unit
-
-
 def simulator_speed() -> dict[str, object]:
-    runs = [_run_default(1, 2000), _run_default(100, 50000)]
+    """`simulation.speed.measure_sim_speed` at lambda x1 and x100 (memory and budget scaled with it)."""
+    from simulation.speed import measure_sim_speed
+
+    runs = [measure_sim_speed(scale) for scale in tqdm((1, 100), desc="simulator speed", unit="scale")]
     for run in runs:
-        tqdm.write(f"  simulator x{run['scale']}: {run['batches_per_s']} batches/s, "
-                   f"{run['requests_per_s']} requests/s, mean running {run['mean_running']}")
-    scaling = {}
-    for r in tqdm([10, 100, 1000, 10000], desc="simulator scaling", unit="level"):
-        scaling[r] = round(_batches_with_running(r, batches=2000 if r <= 100 else 200))
+        tqdm.write(f"  simulator x{run['scale']}: {run['sim_batches_per_s']:.0f} batches/s, "
+                   f"{run['sim_requests_per_s']:.0f} requests/s, mean running {run['mean_running']:.0f}")
+    x1, x100 = runs
     return {
-        "sim_batches_per_s": runs[0]["batches_per_s"],
-        "sim_requests_per_s": runs[0]["requests_per_s"],
-        "sim_x100_batches_per_s": runs[1]["batches_per_s"],
-        "sim_x100_requests_per_s": runs[1]["requests_per_s"],
-        "sim_runs": runs,
-        "sim_batches_per_s_by_running": scaling,
-        "sim_source": "bench/sim.py direct DecodeSystem timing",
+        "sim_batches_per_s": round(x1["sim_batches_per_s"]),
+        "sim_requests_per_s": round(x1["sim_requests_per_s"]),
+        "sim_x100_batches_per_s": round(x100["sim_batches_per_s"]),
+        "sim_x100_requests_per_s": round(x100["sim_requests_per_s"]),
+        "sim_runs": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in run.items() if k != "scaling"}
+                     for run in runs],
+        "sim_batches_per_s_by_running": {
+            int(p["running"]): round(p["batches_per_s"]) for p in x1["scaling"]},
+        "sim_decode_tokens_per_s_by_running": {
+            int(p["running"]): round(p["tokens_per_s"]) for p in x1["scaling"]},
     }
 
 
