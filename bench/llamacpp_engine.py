@@ -187,6 +187,33 @@ def run_levels(name: str, url: str, model: str, levels: list[int], rounds: int, 
     return {c: asyncio.run(load_level(url, model, c, rounds, max_tokens, eog_bias)) for c in tqdm(levels, desc=name, leave=False)}
 
 
+def plot(path: Path, levels: list[int], ours: dict[int, dict[str, float]], stock: dict[int, dict[str, float]], limit: dict[int, float], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(levels, [limit[c] for c in levels], "k--", label="limit: bare batched llama_decode")
+    ax1.plot(levels, [ours[c]["tokens_per_s"] for c in levels], "o-", label="modelpool engine llama.cpp")
+    if stock:
+        ax1.plot(levels, [stock[c]["tokens_per_s"] for c in levels], "s-", label="llama_cpp.server")
+    ax1.set(xlabel="concurrent streams", ylabel="aggregate output tokens/s", xscale="log", xticks=levels, xticklabels=levels)
+    ax1.legend(fontsize=8)
+    ax2.plot(levels, [ours[c]["ttft_p50_ms"] for c in levels], "o-", label="ours p50")
+    ax2.plot(levels, [ours[c]["ttft_p95_ms"] for c in levels], "o:", label="ours p95")
+    if stock:
+        ax2.plot(levels, [stock[c]["ttft_p50_ms"] for c in levels], "s-", label="stock p50")
+        ax2.plot(levels, [stock[c]["ttft_p95_ms"] for c in levels], "s:", label="stock p95")
+    ax2.set(xlabel="concurrent streams", ylabel="TTFT (ms)", xscale="log", yscale="log", xticks=levels, xticklabels=levels)
+    ax2.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def stock_available() -> str | None:
     import importlib.util
 
@@ -209,6 +236,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="requests per client stream at each level")
     ap.add_argument("--skip-stock", action="store_true")
     ap.add_argument("--logs", type=Path, default=Path("/tmp"), help="where server logs go")
+    ap.add_argument("--plot", type=Path, default=None, help="write a PNG of tokens/s and TTFT against streams")
     args = ap.parse_args()
     model = args.model or default_model_path()
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -262,6 +290,9 @@ def main() -> int:
         ratio = f"{o['tokens_per_s'] / s['tokens_per_s']:10.2f}" if s else f"{'-':>10}"
         sttft = f"{s['ttft_p50_ms']:9.0f} / {s['ttft_p95_ms']:9.0f}" if s else f"{'-':>21}"
         print(f"{c:>7} | {o['tokens_per_s']:10.1f} | {st} | {lim:11.1f} | {ratio} | {o['tokens_per_s'] / lim:10.2f} | {o['ttft_p50_ms']:8.0f} / {o['ttft_p95_ms']:9.0f} | {sttft}")
+
+    if args.plot is not None:
+        plot(args.plot, levels, ours, stock, limit, f"{model.name}, {args.threads} threads, {args.max_tokens} tokens/answer")
 
     def r(x: float | None, nd: int = 3) -> float | None:
         return None if x is None else round(x, nd)

@@ -85,7 +85,7 @@ def _prompts(backend, n: int) -> list[list[int]]:  # type: ignore[no-untyped-def
 
 
 def test_batching_changes_logits_only_within_llama_cpp_arithmetic(backend8) -> None:  # type: ignore[no-untyped-def]
-    steps = 20
+    steps = 16
     prompts = _prompts(backend8, 8)
 
     # Solo greedy runs, one sequence per llama_decode.

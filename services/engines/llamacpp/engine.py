@@ -129,11 +129,15 @@ class LlamaEngine:
             self.backend = None
 
     # -- the HTTP edge's side ------------------------------------------------------
-    def submit(self, prompt_tokens: list[int], sampling: SamplingParams, sink: EventSink) -> int:
+    def submit(
+        self, prompt_tokens: list[int], sampling: SamplingParams, sink: EventSink, *, reuse_prefix: bool = True
+    ) -> int:
         """Queue a request; raises `QueueFull` when the RequestQueue is at its bound."""
         assert self._scheduler is not None, "engine not ready"
         with self._lock:
-            request = GenerationRequest(next(self._ids), list(prompt_tokens), sampling, sink, self.clock())
+            request = GenerationRequest(
+                next(self._ids), list(prompt_tokens), sampling, sink, self.clock(), reuse_prefix=reuse_prefix
+            )
             try:
                 self._scheduler.submit(request)
             except Exception:

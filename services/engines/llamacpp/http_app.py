@@ -225,6 +225,14 @@ class EngineAPI:
             return list(prompt)
         return self._tokenize(prompt)
 
+    @staticmethod
+    def _cache_prompt(body: Any) -> bool:
+        """llama.cpp server's `cache_prompt` extension: false recomputes the whole prompt."""
+        value = (body.model_extra or {}).get("cache_prompt", True)
+        if not isinstance(value, bool):
+            raise bad_request("cache_prompt must be true or false", param="cache_prompt")
+        return value
+
     def _logit_bias(self, body: Any) -> tuple[tuple[int, float], ...]:
         raw = getattr(body, "logit_bias", None) or (body.model_extra or {}).get("logit_bias") or {}
         if not isinstance(raw, dict):
@@ -290,6 +298,8 @@ class EngineAPI:
                 max_tokens=max_tokens,
                 stop=tuple(body.stop_list()),  # type: ignore[attr-defined]
                 logit_bias=self._logit_bias(body),
+                presence_penalty=body.presence_penalty,  # type: ignore[attr-defined]
+                frequency_penalty=body.frequency_penalty,  # type: ignore[attr-defined]
             )
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
@@ -298,7 +308,7 @@ class EngineAPI:
                 loop.call_soon_threadsafe(queue.put_nowait, event)
 
             try:
-                request_id = self.engine.submit(prompt, sampling, sink)
+                request_id = self.engine.submit(prompt, sampling, sink, reuse_prefix=self._cache_prompt(body))
             except QueueFull as exc:
                 raise too_many_requests(str(exc), exc.retry_after_s) from exc
         except APIError as err:

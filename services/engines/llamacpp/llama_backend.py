@@ -213,6 +213,10 @@ class LlamaBackend:
         llama.llama_model_free(self.model)
 
 
+PENALTY_WINDOW = 256
+"""Generated tokens the presence/frequency penalties look back over."""
+
+
 class Sampler:
     """A per-sequence llama.cpp sampler chain (top-k, top-p, min-p, temperature, seeded draw)."""
 
@@ -225,6 +229,14 @@ class Sampler:
                 biases[i].token, biases[i].bias = token, bias
             llama.llama_sampler_chain_add(
                 self.chain, llama.llama_sampler_init_logit_bias(backend.n_vocab, len(params.logit_bias), biases)
+            )
+        if params.presence_penalty or params.frequency_penalty:
+            # OpenAI's penalties count tokens generated so far; the chain accepts each sampled token.
+            llama.llama_sampler_chain_add(
+                self.chain,
+                llama.llama_sampler_init_penalties(
+                    backend.n_vocab, PENALTY_WINDOW, 1.0, params.frequency_penalty, params.presence_penalty
+                ),
             )
         if params.greedy:
             llama.llama_sampler_chain_add(self.chain, llama.llama_sampler_init_greedy())

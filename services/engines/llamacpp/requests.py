@@ -43,6 +43,8 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +84,8 @@ class GenerationRequest:
     sampling: SamplingParams
     sink: EventSink
     arrived_at: float
+    reuse_prefix: bool = True
+    """False: compute the whole prompt even if a cached prefix matches (llama.cpp's `cache_prompt`)."""
 
 
 @dataclass

@@ -271,7 +271,7 @@ class Scheduler:
             return False
         prompt = tracked.request.prompt_tokens
         rid = tracked.request_id
-        if self.limits.prefix_cache:
+        if self.limits.prefix_cache and tracked.request.reuse_prefix:
             entry, common = self.kv.best_prefix(prompt, free)
             # At least one prompt token must be decoded to get logits for the first sample.
             keep = min(common, len(prompt) - 1)
