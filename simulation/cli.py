@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="write a requests.csv from seeded Poisson or gamma arrivals")
     g.add_argument("--out", required=True, help="output CSV path")
     g.add_argument("--seed", type=int, default=42)
-    _add_workload_args(g, n=1000, rate=0.08)
+    _add_workload_args(g, n=2000, rate=1.2)
 
     r = sub.add_parser("run", help="one simulation, all of seed 002's output files and plots")
     _add_config_args(r)
@@ -74,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fluid-limit", help="discrete runs at lambda x n against the fluid ODE")
     _add_config_args(f)
-    _add_workload_args(f, n=None, rate=0.05)
+    _add_workload_args(f, n=None, rate=1.5)
     f.add_argument("--scales", default="1,10,100,1000", help="comma-separated scale factors n")
-    f.add_argument("--horizon", type=float, default=400.0, help="arrivals stop at this time")
+    f.add_argument("--horizon", type=float, default=300.0, help="arrivals stop at this time")
     f.add_argument("--reference-scale", type=int, default=None,
                    help="scale of the independent run the ODE parameters are estimated from (default: the largest)")
     return parser

@@ -41,7 +41,7 @@ def plot_queue_dynamics(rec: Recorder, path: Path, title: str) -> Path:
     bottom.set_ylabel("tokens")
     bottom.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
@@ -79,7 +79,7 @@ def plot_arrival_dynamics(
     top.legend(loc="upper left", fontsize=8)
     bottom.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
@@ -120,7 +120,7 @@ def plot_sacrifice_dynamics(rec: Recorder, path: Path, *, end_time: float, title
     bottom.set_xlabel("time")
     bottom.set_ylabel("decode position")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
@@ -142,6 +142,6 @@ def plot_comparison(rows: list[dict], path: Path) -> Path:
         ax.tick_params(axis="x", labelsize=8)
     fig.suptitle("Preemption mode x strategy on the same requests")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
