@@ -145,3 +145,13 @@ def test_prefix_cache_serves_a_repeated_prompt(engine) -> None:
     queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
     assert hits == cached
     assert queries == 2 * second.usage.prompt_tokens
+
+
+def test_image_content_counts_toward_the_prompt(engine) -> None:
+    content = [{"type": "text", "text": "Describe the picture."},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+    out = client(engine).chat.completions.create(
+        model="sim-test", messages=[{"role": "user", "content": content}], max_tokens=3)
+    text_only = client(engine).chat.completions.create(
+        model="sim-test", messages=[{"role": "user", "content": "Describe the picture."}], max_tokens=3)
+    assert out.usage.prompt_tokens - text_only.usage.prompt_tokens == 256

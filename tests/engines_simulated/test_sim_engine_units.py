@@ -92,3 +92,14 @@ def test_natural_length_stays_in_its_band(mean: int) -> None:
     lengths = {synthetic.natural_length(seed, mean) for seed in range(2000)}
     assert min(lengths) >= max(1, mean // 2) and max(lengths) <= max(1, mean // 2) + mean
     assert len(lengths) > min(mean, 5) // 2
+
+
+def test_image_parts_cost_a_block_of_tokens_and_identify_the_image() -> None:
+    def image(url: str) -> list[dict]:
+        return [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": url}}]
+
+    a = synthetic.content_pieces(image("https://example.com/a.png"))
+    b = synthetic.content_pieces(image("https://example.com/b.png"))
+    assert len(a) == 3 + synthetic.IMAGE_TOKENS
+    assert a[:3] == b[:3] and a[3:] != b[3:]
+    assert synthetic.content_pieces(image("https://example.com/a.png")) == a

@@ -329,7 +329,7 @@ class EngineServer:
         self._require_serving()
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_model(req.model)
-        tokens = synthetic.chat_pieces([(m.role, m.text()) for m in req.messages])
+        tokens = synthetic.chat_pieces([(m.role, m.content) for m in req.messages])
         gen = self._generation(tokens, req.output_limit(), req.seed, _ignore_eos(req), "messages")
         self.driver.submit(gen)
         rid, created = new_id("chatcmpl"), now_s()

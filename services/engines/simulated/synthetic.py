@@ -4,7 +4,8 @@ No model runs here. A prompt's length is estimated by splitting it into pieces
 (one per punctuation mark, one per up-to-6-character run of a word), which lands
 near a BPE tokenizer's count for English. Chat messages are wrapped in a
 ChatML-like template so that a conversation's turns share a prefix, which the
-prefix cache recognises by hashing full blocks of pieces. Answers are filler
+prefix cache recognises by hashing full blocks of pieces; an image part costs a
+fixed block of tokens. Answers are filler
 words chosen deterministically from the request, one word per token.
 """
 
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 _PIECE = re.compile(r"[^\W\d_]{1,6}|\d{1,3}|[^\w\s]|_")
 
@@ -38,11 +40,35 @@ def count_tokens(text: str) -> int:
     return len(_PIECE.findall(text))
 
 
-def chat_pieces(messages: Sequence[tuple[str, str]]) -> list[str]:
+IMAGE_TOKENS = 256
+"""Tokens an image costs in the prompt (a vision encoder's patch tokens at a typical resolution)."""
+
+
+def content_pieces(content: str | Sequence[Mapping[str, Any]] | None) -> list[str]:
+    """Pieces of one message's content: text parts by the estimate, each image a fixed block."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return pieces(content)
+    out: list[str] = []
+    for part in content:
+        kind = part.get("type")
+        if kind == "text":
+            out += pieces(str(part.get("text", "")))
+        elif kind in ("image_url", "input_image"):
+            ref = part.get("image_url") or part.get("url") or ""
+            url = ref.get("url", "") if isinstance(ref, Mapping) else str(ref)
+            # the same image yields the same tokens, so a repeated image can hit the prefix cache
+            marker = f"<|image:{zlib.crc32(url.encode()):08x}|>"
+            out += [marker] * IMAGE_TOKENS
+    return out
+
+
+def chat_pieces(messages: Sequence[tuple[str, str | Sequence[Mapping[str, Any]] | None]]) -> list[str]:
     """Pieces of a chat prompt after a ChatML-like template, ending with the assistant header."""
     out: list[str] = []
     for role, content in messages:
-        out += ["<|im_start|>", role, "\n", *pieces(content), "<|im_end|>", "\n"]
+        out += ["<|im_start|>", role, "\n", *content_pieces(content), "<|im_end|>", "\n"]
     out += ["<|im_start|>", "assistant", "\n"]
     return out
 
