@@ -70,35 +70,37 @@ def messages(i: int) -> list[dict[str, str]]:
 # --------------------------------------------------------------------------- limit
 
 
-def bare_decode_limit(model: Path, threads: int, n_seq_max: int, n_ctx: int, levels: list[int], max_tokens: int, rounds: int) -> dict[int, float]:
-    """Aggregate tokens/s of prefill + max_tokens batched decode steps over N sequences."""
-    backend = LlamaBackend(BackendConfig(model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=512, threads=threads))
-    template = backend.chat_template()
-    from services.engines.llamacpp.chat_template import ChatTemplate
+class BareDecodeLimit:
+    """Aggregate tokens/s of a bare loop: one batched prefill, then max_tokens batched decode steps."""
 
-    tmpl = ChatTemplate(template)
-    prompts = [backend.tokenize(tmpl.render(messages(i)), add_special=True) for i in range(max(levels))]
-    results: dict[int, float] = {}
-    try:
-        for n in tqdm(levels, desc="limit (bare llama_decode)", leave=False):
-            tokens = 0
-            t0 = time.perf_counter()
-            for _ in range(rounds):
+    def __init__(self, model: Path, threads: int, n_seq_max: int, n_ctx: int) -> None:
+        from services.engines.llamacpp.chat_template import ChatTemplate
+
+        self.backend = LlamaBackend(BackendConfig(model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=512, threads=threads))
+        tmpl = ChatTemplate(self.backend.chat_template())
+        self.prompts = [self.backend.tokenize(tmpl.render(messages(i)), add_special=True) for i in range(n_seq_max)]
+
+    def measure(self, n: int, max_tokens: int, rounds: int) -> float:
+        backend = self.backend
+        tokens = 0
+        t0 = time.perf_counter()
+        for r in range(rounds):
+            prompts = [self.prompts[(s + r * n) % len(self.prompts)] for s in range(n)]
+            for s in range(n):
+                backend.seq_rm(s, 0)
+            out = backend.decode([SeqWork(s, s, prompts[s], 0, True, "prefill") for s in range(n)])
+            nxt = [int(backend.logits(out[s]).argmax()) for s in range(n)]
+            pos = [len(p) for p in prompts]
+            for _step in range(max_tokens - 1):
+                out = backend.decode([SeqWork(s, s, [nxt[s]], pos[s], True, "decode") for s in range(n)])
                 for s in range(n):
-                    backend.seq_rm(s, 0)
-                out = backend.decode([SeqWork(s, s, prompts[s], 0, True, "prefill") for s in range(n)])
-                nxt = [int(backend.logits(out[s]).argmax()) for s in range(n)]
-                pos = [len(prompts[s]) for s in range(n)]
-                for _step in range(max_tokens - 1):
-                    out = backend.decode([SeqWork(s, s, [nxt[s]], pos[s], True, "decode") for s in range(n)])
-                    for s in range(n):
-                        nxt[s] = int(backend.logits(out[s]).argmax())
-                        pos[s] += 1
-                tokens += n * max_tokens
-            results[n] = tokens / (time.perf_counter() - t0)
-    finally:
-        backend.close()
-    return results
+                    nxt[s] = int(backend.logits(out[s]).argmax())
+                    pos[s] += 1
+            tokens += n * max_tokens
+        return tokens / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.backend.close()
 
 
 # --------------------------------------------------------------------------- servers
@@ -181,10 +183,9 @@ async def load_level(url: str, model: str, c: int, rounds: int, max_tokens: int,
     }
 
 
-def run_levels(name: str, url: str, model: str, levels: list[int], rounds: int, max_tokens: int, eog_bias: dict[str, float]) -> dict[int, dict[str, float]]:
-    # one warm-up request so model pages and caches are hot for both servers alike
+def warm_up(url: str, model: str, eog_bias: dict[str, float]) -> None:
+    """One short request, so model pages and caches are hot for every server alike."""
     asyncio.run(load_level(url, model, 1, 1, 8, eog_bias))
-    return {c: asyncio.run(load_level(url, model, c, rounds, max_tokens, eog_bias)) for c in tqdm(levels, desc=name, leave=False)}
 
 
 def plot(path: Path, levels: list[int], ours: dict[int, dict[str, float]], stock: dict[int, dict[str, float]], limit: dict[int, float], title: str) -> None:
@@ -207,6 +208,10 @@ def plot(path: Path, levels: list[int], ours: dict[int, dict[str, float]], stock
         ax2.plot(levels, [stock[c]["ttft_p95_ms"] for c in levels], "s:", label="stock p95")
     ax2.set(xlabel="concurrent streams", ylabel="TTFT (ms)", xscale="log", yscale="log", xticks=levels, xticklabels=levels)
     ax2.legend(fontsize=8)
+    from matplotlib.ticker import NullFormatter
+
+    for ax in (ax1, ax2):
+        ax.xaxis.set_minor_formatter(NullFormatter())
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,44 +248,50 @@ def main() -> int:
     n_seq = max(levels)
     n_ctx = n_seq * 1024
 
-    # The same backend settings for our engine and the bare loop: one KV stream per sequence.
-    limit = bare_decode_limit(model, args.threads, n_seq, n_ctx, levels, args.max_tokens, rounds=1)
+    backend = LlamaBackend(BackendConfig(model, n_ctx=256, n_seq_max=1, threads=1))
+    eog_bias = {str(t): -100.0 for t in range(backend.n_vocab) if backend.is_eog(t)}
+    backend.close()
 
-    port = free_port()
+    # Our engine and the bare loop share backend settings: one KV stream per sequence, n_seq_max
+    # large enough for the widest level.
+    ours_port = free_port()
     ours_cmd = [
-        sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--model", str(model), "--port", str(port),
+        sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--model", str(model), "--port", str(ours_port),
         "--threads", str(args.threads), "--n-seq-max", str(n_seq), "--n-ctx", str(n_ctx),
         "--max-running", str(n_seq), "--max-batch-size", str(n_seq), "--model-alias", "bench", "--log-level", "warning",
     ]
-    backend = LlamaBackend(BackendConfig(model, n_ctx=256, n_seq_max=1, threads=1))
-    eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
-    backend.close()
-    eog_bias = {str(t): -100.0 for t in eog}
-
-    proc = start_server(ours_cmd, port, args.logs / "bench_llamacpp_ours.log", "/health")
-    try:
-        ours = run_levels("ours", f"http://127.0.0.1:{port}", "bench", levels, args.rounds, args.max_tokens, eog_bias)
-    finally:
-        stop_server(proc)
-
-    stock: dict[int, dict[str, float]] = {}
-    problem = None if not args.skip_stock else "skipped (--skip-stock)"
-    if problem is None:
-        problem = stock_available()
-    if problem is None:
-        port = free_port()
-        stock_cmd = [
-            sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
-            "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
-            "--interrupt_requests", "False", "--model_alias", "bench",
-        ]
-        proc = start_server(stock_cmd, port, args.logs / "bench_llamacpp_stock.log", "/v1/models")
-        try:
-            stock = run_levels("stock", f"http://127.0.0.1:{port}", "bench", levels, args.rounds, args.max_tokens, eog_bias)
-        finally:
-            stop_server(proc)
-    else:
+    problem = "skipped (--skip-stock)" if args.skip_stock else stock_available()
+    if problem is not None:
         print(f"stock server not measured: {problem}", file=sys.stderr)
+    stock_port = free_port()
+    stock_cmd = [
+        sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(stock_port),
+        "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
+        "--interrupt_requests", "False", "--model_alias", "bench",
+    ]
+
+    # All three are up at once (idle servers cost no CPU) and each level is measured on all
+    # three back to back, so drifting background load biases no one system.
+    limit_loop = BareDecodeLimit(model, args.threads, n_seq, n_ctx)
+    procs = [start_server(ours_cmd, ours_port, args.logs / "bench_llamacpp_ours.log", "/health")]
+    ours_url, stock_url = f"http://127.0.0.1:{ours_port}", f"http://127.0.0.1:{stock_port}"
+    limit: dict[int, float] = {}
+    ours: dict[int, dict[str, float]] = {}
+    stock: dict[int, dict[str, float]] = {}
+    try:
+        if problem is None:
+            procs.append(start_server(stock_cmd, stock_port, args.logs / "bench_llamacpp_stock.log", "/v1/models"))
+            warm_up(stock_url, "bench", eog_bias)
+        warm_up(ours_url, "bench", eog_bias)
+        for c in tqdm(levels, desc="concurrency levels"):
+            limit[c] = limit_loop.measure(c, args.max_tokens, args.rounds)
+            ours[c] = asyncio.run(load_level(ours_url, "bench", c, args.rounds, args.max_tokens, eog_bias))
+            if problem is None:
+                stock[c] = asyncio.run(load_level(stock_url, "bench", c, args.rounds, args.max_tokens, eog_bias))
+    finally:
+        for proc in procs:
+            stop_server(proc)
+        limit_loop.close()
 
     print(f"model {model.name}, threads {args.threads}, max_tokens {args.max_tokens}, rounds {args.rounds}")
     print(f"{'streams':>7} | {'ours tok/s':>10} | {'stock tok/s':>11} | {'limit tok/s':>11} | {'ours/stock':>10} | {'ours/limit':>10} | {'ours TTFT p50/p95 ms':>20} | {'stock TTFT p50/p95 ms':>21}")
