@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(r)
 
     c = sub.add_parser("compare", help="the four mode x strategy combinations on the same requests")
-    _add_config_args(c, control=False)
-    c.add_argument("--victim-policy", choices=[v.value for v in VictimPolicy], default=None)
+    _add_config_args(c)
+    c.add_argument("--victims", action="store_true",
+                   help="compare the victim policies LIFO, LRU and random instead, under --mode/--strategy")
 
     t = sub.add_parser("truncate", help="truncation experiments: explore candidates, or cut and inject")
     _add_config_args(t)
@@ -141,12 +142,18 @@ def cmd_compare(args: argparse.Namespace, command: str) -> int:
     from simulation.experiment import ALL_COMBINATIONS, experiment_dir, run_experiment, write_comparison, write_experiment
 
     cfg = _config(args)
+    if not args.victims and (args.mode or args.strategy):
+        raise ValueError("compare runs every mode and strategy; --mode/--strategy only go with --victims")
     specs = read_requests(cfg.data.request_file, L_filter=cfg.data.L_filter)
-    out = experiment_dir(cfg.data.experiments_dir, "compare")
+    if args.victims:
+        variants = [(cfg.control.preemption_mode, cfg.control.preemption_strategy, v) for v in VictimPolicy]
+    else:
+        variants = [(m, s, cfg.control.victim_policy) for m, s in ALL_COMBINATIONS]
+    out = experiment_dir(cfg.data.experiments_dir, "compare_victims" if args.victims else "compare")
     results = []
-    for mode, strategy in ALL_COMBINATIONS:
-        one = cfg.with_control(mode, strategy)
-        label = f"{mode.value}_{strategy.value}"
+    for mode, strategy, victim in variants:
+        one = cfg.with_control(mode, strategy, victim)
+        label = f"{mode.value}_{strategy.value}" + (f"_{victim.value}" if args.victims else "")
         with _progress(len(specs), cfg.experiment.verbose, label) as update:
             result = run_experiment(one, specs, progress=update)
         write_experiment(result, out / label, request_file=cfg.data.request_file, command=command)

@@ -89,10 +89,14 @@ class SimConfig(_Section):
             seed=self.experiment.seed,
         )
 
-    def with_control(self, mode: PreemptionMode | None = None, strategy: Strategy | None = None) -> SimConfig:
-        control = self.control.model_copy(
-            update={k: v for k, v in {"preemption_mode": mode, "preemption_strategy": strategy}.items() if v}
-        )
+    def with_control(
+        self,
+        mode: PreemptionMode | None = None,
+        strategy: Strategy | None = None,
+        victim_policy: VictimPolicy | None = None,
+    ) -> SimConfig:
+        update = {"preemption_mode": mode, "preemption_strategy": strategy, "victim_policy": victim_policy}
+        control = self.control.model_copy(update={k: v for k, v in update.items() if v})
         return self.model_copy(update={"control": control})
 
     def dump(self) -> dict[str, Any]:

@@ -200,7 +200,7 @@ def phase_statistics(rec: Recorder, cut: float, end: float, injected_prefix: str
 # ---- comparison ---------------------------------------------------------------
 
 COMPARISON_COLUMNS = (
-    "mode", "strategy", "completed", "simulated_time", "batches", "requests_per_time", "tokens_per_time",
+    "mode", "strategy", "victim_policy", "completed", "simulated_time", "batches", "requests_per_time", "tokens_per_time",
     "mean_delay", "p95_delay", "mean_waiting_time", "mean_waiting_queue", "max_waiting_queue",
     "avg_memory_utilization", "swap_out", "sacrifices", "preemptions", "wasted_tokens", "littles_law_error",
 )
@@ -211,6 +211,7 @@ def comparison_row(result: ExperimentResult) -> dict[str, Any]:
     return {
         "mode": s["basic"]["mode"],
         "strategy": s["basic"]["strategy"],
+        "victim_policy": s["basic"]["victim_policy"],
         "completed": s["basic"]["completed"],
         "simulated_time": s["basic"]["simulated_time"],
         "batches": s["basic"]["batches"],

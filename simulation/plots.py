@@ -126,7 +126,7 @@ def plot_sacrifice_dynamics(rec: Recorder, path: Path, *, end_time: float, title
 
 
 def plot_comparison(rows: list[dict], path: Path) -> Path:
-    labels = [f"{r['mode']}\n{r['strategy']}" for r in rows]
+    labels = [f"{r['mode']}\n{r['strategy']}\n{r['victim_policy']}" for r in rows]
     metrics = [
         ("mean_delay", "mean delay"),
         ("p95_delay", "p95 delay"),
@@ -137,10 +137,10 @@ def plot_comparison(rows: list[dict], path: Path) -> Path:
     ]
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax, (key, name) in zip(axes.flat, metrics):
-        ax.bar(labels, [r[key] for r in rows], color=["C0", "C1", "C2", "C3"][: len(rows)])
+        ax.bar(labels, [r[key] for r in rows], color=[f"C{i}" for i in range(len(rows))])
         ax.set_title(name, fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle("Preemption mode x strategy on the same requests")
+    fig.suptitle("Scheduler variants on the same requests")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
