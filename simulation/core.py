@@ -489,7 +489,8 @@ class DecodeSystem:
 
     def _make_room(self, head: SimRequest, now: float, preemptions, victims) -> bool:
         """Preempt RUNNING requests that arrived after `head` until it fits; all or nothing."""
-        lower = {rid: r for rid, r in self._running.items() if r.order > head.order}
+        rank = (head.arrival_time, head.order)
+        lower = {rid: r for rid, r in self._running.items() if (r.arrival_time, r.order) > rank}
         slack = self.params.M_total - (self._memory + head.footprint + 1)
         if slack + sum(r.footprint for r in lower.values()) < 0:
             return False

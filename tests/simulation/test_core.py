@@ -318,3 +318,28 @@ def test_emitted_tokens_are_not_repeated_after_a_sacrifice():
         t = res.end_time
         emitted.update(res.emitted)
     assert emitted == {"A": 10, "B": 10}
+
+
+def test_allow_waiting_preempt_lets_an_earlier_arrival_displace_later_ones():
+    # A (arrived first) is swapped out; C and D arrived later and hold memory. With
+    # allow_waiting_preempt, the aggressive scheduler preempts the later arrivals for A at once.
+    for allow in (False, True):
+        params = SystemParams(M_total=100, B=1000, d_0=1.0, d_1=0.0, mode=PreemptionMode.SWAP,
+                              strategy=Strategy.AGGRESSIVE, allow_waiting_preempt=allow)
+        system = DecodeSystem(params)
+        a = SimRequest("A", 0.0, 40, 50)
+        system.add(a)
+        t = system.step(0.0).end_time
+        system.add(SimRequest("C", t, 20, 50))
+        system.add(SimRequest("D", t, 20, 50))
+        res = system.step(t)
+        assert res.admitted == ("C", "D")
+        # force A out, as memory pressure would, then see who gets the memory back
+        system.cancel("A")
+        system.add(SimRequest("A2", 0.0, 60, 30))  # earlier arrival time than C and D, needs 61 tokens
+        res = system.step(res.end_time)
+        if allow:
+            assert res.admitted == ("A2",)
+            assert [p.request_id for p in res.preemptions] == ["D"] and res.preemptions[0].phase == 1
+        else:
+            assert res.admitted == () and res.preemptions == ()
