@@ -21,6 +21,7 @@ COPY services ./services
 COPY simulation ./simulation
 COPY migrations ./migrations
 COPY alembic.ini ./
+COPY config ./config
 # Editable, so the migrations and any data files are found beside the code in /app.
 RUN pip install -e .
 

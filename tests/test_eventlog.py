@@ -33,13 +33,19 @@ async def test_append_and_read_back(store: EventStore):
     assert await store.stream_version("worker:w1") == 2
 
 
+def writer_like(store: EventStore) -> EventStore:
+    """Another writer with its own group-commit queue, as another process would have."""
+    return EventStore(store.engine, store.registry, notify_channel=store.notify_channel)
+
+
 async def test_two_appenders_race_on_one_stream_version(store: EventStore):
+    other = writer_like(store)
     await store.append("worker:w1", [worker_event("w1")], expected_version=0)
     for _ in range(10):  # repeat the race; every round exactly one may win
         head = await store.stream_version("worker:w1")
         results = await asyncio.gather(
             store.append("worker:w1", [worker_event("w1", 1)], expected_version=head),
-            store.append("worker:w1", [worker_event("w1", 2)], expected_version=head),
+            other.append("worker:w1", [worker_event("w1", 2)], expected_version=head),
             return_exceptions=True,
         )
         wins = [r for r in results if isinstance(r, list)]
@@ -92,9 +98,10 @@ async def test_concurrent_appenders_and_a_tailing_reader_miss_nothing(store: Eve
     seen: list[tuple[int, uuid.UUID]] = []
 
     async def writer(n: int) -> None:
+        own = writer_like(store)  # separate transactions, as separate processes would write
         for i in range(per_writer):
             batch = [session_event(f"s{n}", f"i{i}")] if i % 3 else [session_event(f"s{n}", f"i{i}"), session_event(f"s{n}", f"j{i}")]
-            stored = await store.append(f"session:s{n}", batch)
+            stored = await own.append(f"session:s{n}", batch)
             written.update(e.id for e in stored)
             if i % 7 == 0:
                 await asyncio.sleep(0)
@@ -121,6 +128,21 @@ async def test_concurrent_appenders_and_a_tailing_reader_miss_nothing(store: Eve
     assert len(ids) == len(set(ids)), "an event was seen twice"
     assert set(ids) == written, f"missed {len(written - set(ids))} events"
     assert [p for p, _ in seen] == sorted(p for p, _ in seen)
+
+
+async def test_concurrent_appends_of_one_writer_are_each_checked_on_their_own(store: EventStore):
+    """Appends that share a group commit still succeed or fail one by one."""
+    await store.append("worker:w1", [worker_event("w1")], expected_version=0)
+    results = await asyncio.gather(
+        store.append("worker:w1", [worker_event("w1", 1)], expected_version=1),
+        store.append("worker:w1", [worker_event("w1", 2)], expected_version=1),  # loses to the first
+        store.append("worker:w2", [worker_event("w2")], expected_version=0),
+        store.append("worker:w3", [worker_event("w3")], expected_version=7),  # wrong
+        return_exceptions=True,
+    )
+    assert [type(r).__name__ for r in results] == ["list", "ConcurrencyError", "list", "ConcurrencyError"]
+    assert [e.payload["host"] for e in await store.read_stream("worker:w1")] == ["h0", "h1"]
+    assert await store.stream_version("worker:w3") == 0
 
 
 async def test_history_and_stream_of_alias(store: EventStore):

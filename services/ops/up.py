@@ -38,8 +38,13 @@ from services.ops.embedded import (
 )
 
 # Start order: the relay first so no committed event waits for a bus
-# publisher; the gateway last so it opens its port onto a ready pool.
-SERVICES: tuple[str, ...] = ("relay", "placement", "autoscaler", "worker", "gateway")
+# publisher, then the projector that keeps the read models; the gateway last
+# so it opens its port onto a ready pool.
+SERVICES: tuple[str, ...] = ("relay", "projector", "placement", "autoscaler", "worker", "gateway")
+
+# The pool `make run` serves when no configuration is named: the default model
+# on real llama.cpp, with the simulator standing in for vLLM.
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "pool.yaml"
 
 # Every process `up` starts, and everything those start, inherits this
 # variable; the final sweep finds stragglers by it, whatever session they are in.
@@ -364,6 +369,8 @@ def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> 
             })  # fmt: skip
             if args.config is not None:
                 env["MODELPOOL_CONFIG"] = str(args.config.absolute())
+            elif not env.get("MODELPOOL_CONFIG"):
+                env["MODELPOOL_CONFIG"] = str(DEFAULT_CONFIG)
             if args.namespace is not None:
                 env["MODELPOOL_NAMESPACE"] = args.namespace
             try:

@@ -79,15 +79,7 @@ async def ensure_streams(js: JetStreamContext, subjects: Subjects) -> None:
             await js.update_stream(config)
 
 
-async def publish(
-    js: JetStreamContext,
-    subject: str,
-    envelope: Envelope,
-    telemetry: Telemetry,
-    *,
-    extra_headers: dict[str, str] | None = None,
-) -> bool:
-    """Publish an envelope; JetStream drops a repeat of the same id. Returns False for a duplicate."""
+def _headers(envelope: Envelope, telemetry: Telemetry, extra_headers: dict[str, str] | None) -> dict[str, str]:
     headers = {
         h.MSG_ID: str(envelope.id),
         h.TYPE: envelope.type,
@@ -98,8 +90,36 @@ async def publish(
         headers[h.POSITION] = str(envelope.position)
     if not any(k.lower() == "traceparent" for k in headers):
         telemetry.inject(headers)
+    return headers
+
+
+async def publish(
+    js: JetStreamContext,
+    subject: str,
+    envelope: Envelope,
+    telemetry: Telemetry,
+    *,
+    extra_headers: dict[str, str] | None = None,
+) -> bool:
+    """Publish an envelope; JetStream drops a repeat of the same id. Returns False for a duplicate."""
+    headers = _headers(envelope, telemetry, extra_headers)
     ack = await js.publish(subject, envelope.model_dump_json().encode(), headers=headers)
     return not ack.duplicate
+
+
+async def publish_in_order(
+    js: JetStreamContext,
+    messages: list[tuple[str, Envelope, dict[str, str]]],
+    telemetry: Telemetry,
+) -> None:
+    """Publish several envelopes pipelined: sent in order on one connection, so stored
+    in order, then wait for every acknowledgement. Raises if any was not stored."""
+    acks = [
+        await js.publish_async(subject, envelope.model_dump_json().encode(),
+                               headers=_headers(envelope, telemetry, extra))
+        for subject, envelope, extra in messages
+    ]
+    await asyncio.gather(*acks)
 
 
 Handler = Callable[[Envelope, Contract], Awaitable[None]]
@@ -172,8 +192,8 @@ class Consumer:
         while not stop.is_set():
             try:
                 messages = await self._sub.fetch(self.batch, timeout=0.5)
-            except NatsTimeout:
-                continue
+            except (NatsTimeout, asyncio.TimeoutError):
+                continue  # nothing to fetch: the normal idle case
             except Exception:  # connection trouble: nats-py reconnects; back off briefly
                 if stop.is_set():
                     break

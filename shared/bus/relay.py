@@ -16,7 +16,7 @@ import logging
 import asyncpg
 from nats.js import JetStreamContext
 
-from shared.bus.jetstream import publish
+from shared.bus.jetstream import publish_in_order
 from shared.bus.subjects import Subjects
 from shared.eventlog.store import EventStore
 from shared.telemetry import Telemetry
@@ -73,9 +73,10 @@ class Relay:
             stop_wait = asyncio.ensure_future(stop.wait())
             try:
                 while not stop.is_set():
+                    # Clear before reading: a commit notified while we read sets it again.
+                    self._wake.clear()
                     if await self.relay_once(conn):
                         continue
-                    self._wake.clear()
                     wake_wait = asyncio.ensure_future(self._wake.wait())
                     await asyncio.wait({wake_wait, stop_wait}, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
                     wake_wait.cancel()
@@ -87,9 +88,11 @@ class Relay:
     async def relay_once(self, conn: asyncpg.Connection) -> int:
         """Publish the next batch of committed events; return how many."""
         batch = await self.store.read_after_with_headers(self.position, self.batch)
-        for envelope, headers in batch:
-            subject = self.subjects.event(envelope.stream_id or "", envelope.type)
-            await publish(self.js, subject, envelope, self.telemetry, extra_headers=headers)
+        await publish_in_order(
+            self.js,
+            [(self.subjects.event(envelope.stream_id or "", envelope.type), envelope, headers) for envelope, headers in batch],
+            self.telemetry,
+        )
         if batch:
             self.position = batch[-1][0].position or self.position
             await self._save_position(conn, self.position)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
+from typing import TYPE_CHECKING
+
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from shared.settings import Settings
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +32,9 @@ def create_engine(settings: Settings, *, schema: str | None = None, pool_size: i
     )
 
 
-def alembic_config(settings: Settings, schema: str | None = None) -> Config:
+def alembic_config(settings: Settings, schema: str | None = None) -> "Config":
+    from alembic.config import Config  # imported here: it is slow, and only migrations need it
+
     config = Config(str(PROJECT_ROOT / "alembic.ini"))
     config.set_main_option("script_location", str(PROJECT_ROOT / "migrations"))
     config.attributes["database_url"] = settings.database_url
@@ -39,6 +44,8 @@ def alembic_config(settings: Settings, schema: str | None = None) -> Config:
 
 def migrate(settings: Settings, schema: str | None = None, revision: str = "head") -> None:
     """Bring the schema to `revision`. Schema changes happen only here, through Alembic."""
+    from alembic import command
+
     command.upgrade(alembic_config(settings, schema), revision)
 
 

@@ -6,13 +6,15 @@ connection underneath for speed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import orjson
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -52,17 +54,28 @@ class RawEvent:
     type: str
     payload: dict[str, Any]
     occurred_at: datetime
-    stream_id: str
 
 
 _COLUMNS = "position, id, stream_id, stream_version, type, version, occurred_at, causation_id, correlation_id, payload"
 
 
+@dataclass
+class _Request:
+    """One caller's append, waiting for the next group commit."""
+
+    appends: Sequence[Append]
+    headers: str
+    done: asyncio.Future[list[Envelope]]
+
+
 class EventStore:
-    def __init__(self, engine: AsyncEngine, registry: Registry, *, notify_channel: str) -> None:
+    def __init__(self, engine: AsyncEngine, registry: Registry, *, notify_channel: str, max_group: int = 512) -> None:
         self.engine = engine
         self.registry = registry
         self.notify_channel = notify_channel
+        self.max_group = max_group
+        self._queue: list[_Request] = []
+        self._committer: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ writing
 
@@ -78,6 +91,9 @@ class EventStore:
 
     async def append_batch(self, appends: Sequence[Append], *, headers: dict[str, str] | None = None) -> list[Envelope]:
         """Append to one or more streams atomically; return the events with their positions.
+
+        All or nothing for this call: if any stream is not at its expected version,
+        `ConcurrencyError` is raised and nothing of this call is written.
 
         Idempotent by event id: appending events that are all already stored returns
         the stored copies and writes nothing, whatever `expected_version` says, so a
@@ -95,8 +111,42 @@ class EventStore:
         ids = [e.id for e in all_events]
         if len(set(ids)) != len(ids):
             raise DuplicateEventError("the same event id appears twice in one append")
-        header_json = json.dumps(headers or {})
+        request = _Request(appends, json.dumps(headers or {}), asyncio.get_running_loop().create_future())
+        self._queue.append(request)
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._commit_queued())
+        return await request.done
 
+    async def _commit_queued(self) -> None:
+        """Group commit: every append waiting now goes into one transaction.
+
+        Writers are serialised by the table lock anyway (see `_commit_group`), so
+        a transaction per append would spend its time waiting for the lock and the
+        commit's disk flush. One transaction carries all appends that queued up
+        meanwhile; each is still checked, and accepted or refused, on its own.
+        """
+        while self._queue:
+            group, self._queue = self._queue[: self.max_group], self._queue[self.max_group :]
+            try:
+                results = await self._commit_group(group)
+            except BaseException as exc:
+                for request in group:
+                    if not request.done.done():
+                        request.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("append cancelled"))
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            for request, result in zip(group, results):
+                if request.done.done():
+                    continue
+                if isinstance(result, Exception):
+                    request.done.set_exception(result)
+                else:
+                    request.done.set_result(result)
+
+    async def _commit_group(self, group: list[_Request]) -> list[list[Envelope] | Exception]:
+        ids = [e.id for r in group for a in r.appends for e in a.events]
+        streams = sorted({a.stream_id for r in group for a in r.appends})
         async with self.engine.begin() as conn:
             # Why a table lock: positions come from a sequence, and sequence values
             # are handed out when a row is inserted, not when its transaction
@@ -107,68 +157,64 @@ class EventStore:
             # lets readers (ACCESS SHARE) through but admits one writer at a time,
             # held to commit, so positions become visible in increasing order.
             # A rolled-back writer leaves a hole that is never filled, which a
-            # reader may safely skip. The cost is that appends are serial; batches
-            # amortise it.
+            # reader may safely skip. The cost is that writers are serial; the
+            # group commit above amortises it.
             await conn.execute(text("LOCK TABLE events IN EXCLUSIVE MODE"))
-
             stored = await self._existing(conn, ids)
-            if stored:
-                if len(stored) != len(ids):
-                    raise DuplicateEventError(
-                        f"{len(stored)} of {len(ids)} events are already in the log; a retry must resend the same batch"
-                    )
-                return [stored[i] for i in ids]
+            heads = await self._heads(conn, streams)
 
-            rows: list[dict[str, Any]] = []
-            for a in appends:
-                head = await self._head(conn, a.stream_id)
-                if a.expected_version != ANY_VERSION and a.expected_version != head:
-                    raise ConcurrencyError(a.stream_id, a.expected_version, head)
-                for offset, e in enumerate(a.events, start=1):
-                    rows.append(
-                        {
-                            "id": e.id,
-                            "stream_id": a.stream_id,
-                            "stream_version": head + offset,
-                            "type": e.type,
-                            "version": e.version,
-                            "occurred_at": e.occurred_at,
-                            "causation_id": e.causation_id,
-                            "correlation_id": e.correlation_id,
-                            "payload": json.dumps(e.payload, separators=(",", ":")),
-                            "headers": header_json,
-                        }
-                    )
-            result = await conn.execute(
-                text(
-                    "INSERT INTO events (id, stream_id, stream_version, type, version, occurred_at,"
-                    " causation_id, correlation_id, payload, headers)"
-                    " SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:streams AS text[]), CAST(:versions AS int[]),"
-                    " CAST(:types AS text[]), CAST(:cversions AS smallint[]), CAST(:times AS timestamptz[]),"
-                    " CAST(:causes AS uuid[]), CAST(:corrs AS uuid[]), CAST(:payloads AS jsonb[]), CAST(:headers AS jsonb[]))"
-                    " RETURNING position"
-                ),
-                {
-                    "ids": [r["id"] for r in rows],
-                    "streams": [r["stream_id"] for r in rows],
-                    "versions": [r["stream_version"] for r in rows],
-                    "types": [r["type"] for r in rows],
-                    "cversions": [r["version"] for r in rows],
-                    "times": [r["occurred_at"] for r in rows],
-                    "causes": [r["causation_id"] for r in rows],
-                    "corrs": [r["correlation_id"] for r in rows],
-                    "payloads": [r["payload"] for r in rows],
-                    "headers": [r["headers"] for r in rows],
-                },
-            )
-            positions = [row[0] for row in result]
-            # Delivered at commit, and only if it commits: wakes the relay.
-            await conn.execute(text("SELECT pg_notify(:channel, :pos)"), {"channel": self.notify_channel, "pos": str(max(positions))})
+            results: list[list[Envelope] | Exception | None] = []
+            rows: list[tuple[Any, ...]] = []
+            placed: list[tuple[int, Envelope, str, int]] = []  # (request index, event, stream, version)
+            for index, request in enumerate(group):
+                mine = [e for a in request.appends for e in a.events]
+                already = [stored[e.id] for e in mine if e.id in stored]
+                if already:
+                    if len(already) == len(mine):
+                        results.append(already)
+                    else:
+                        results.append(DuplicateEventError(
+                            f"{len(already)} of {len(mine)} events are already in the log; a retry must resend the same batch"))
+                    continue
+                conflict = next(
+                    (a for a in request.appends if a.expected_version not in (ANY_VERSION, heads.get(a.stream_id, 0))), None
+                )
+                if conflict is not None:
+                    results.append(ConcurrencyError(conflict.stream_id, conflict.expected_version, heads.get(conflict.stream_id, 0)))
+                    continue
+                for a in request.appends:
+                    for e in a.events:
+                        version = heads[a.stream_id] = heads.get(a.stream_id, 0) + 1
+                        placed.append((index, e, a.stream_id, version))
+                        rows.append((e.id, a.stream_id, version, e.type, e.version, e.occurred_at, e.causation_id,
+                                     e.correlation_id, orjson.dumps(e.payload).decode(), request.headers))
+                results.append(None)
 
-        return [
-            e.model_copy(update={"stream_id": r["stream_id"], "stream_version": r["stream_version"], "position": p})
-            for e, r, p in zip(all_events, rows, positions)
-        ]
+            positions: dict[uuid.UUID, int] = {}
+            if rows:
+                columns = list(zip(*rows))
+                result = await conn.execute(
+                    text(
+                        "INSERT INTO events (id, stream_id, stream_version, type, version, occurred_at,"
+                        " causation_id, correlation_id, payload, headers)"
+                        " SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:streams AS text[]), CAST(:versions AS int[]),"
+                        " CAST(:types AS text[]), CAST(:cversions AS smallint[]), CAST(:times AS timestamptz[]),"
+                        " CAST(:causes AS uuid[]), CAST(:corrs AS uuid[]), CAST(:payloads AS jsonb[]), CAST(:headers AS jsonb[]))"
+                        " RETURNING id, position"
+                    ),
+                    dict(zip(("ids", "streams", "versions", "types", "cversions", "times", "causes", "corrs", "payloads", "headers"),
+                             map(list, columns))),
+                )
+                positions = {row.id: row.position for row in result}
+                # Delivered at commit, and only if it commits: wakes the relay.
+                await conn.execute(text("SELECT pg_notify(:channel, :pos)"),
+                                   {"channel": self.notify_channel, "pos": str(max(positions.values()))})
+
+        written: dict[int, list[Envelope]] = {}
+        for index, e, stream_id, version in placed:
+            written.setdefault(index, []).append(
+                e.model_copy(update={"stream_id": stream_id, "stream_version": version, "position": positions[e.id]}))
+        return [written[i] if r is None else r for i, r in enumerate(results)]
 
     async def _existing(self, conn: AsyncConnection, ids: list[uuid.UUID]) -> dict[uuid.UUID, Envelope]:
         result = await conn.execute(
@@ -178,10 +224,15 @@ class EventStore:
 
     @staticmethod
     async def _head(conn: AsyncConnection, stream_id: str) -> int:
+        return (await EventStore._heads(conn, [stream_id])).get(stream_id, 0)
+
+    @staticmethod
+    async def _heads(conn: AsyncConnection, stream_ids: list[str]) -> dict[str, int]:
         result = await conn.execute(
-            text("SELECT coalesce(max(stream_version), 0) FROM events WHERE stream_id = :s"), {"s": stream_id}
+            text("SELECT stream_id, max(stream_version) FROM events WHERE stream_id = ANY(CAST(:s AS text[])) GROUP BY stream_id"),
+            {"s": stream_ids},
         )
-        return int(result.scalar_one())
+        return {row[0]: int(row[1]) for row in result}
 
     # ------------------------------------------------------------------ reading
 
@@ -241,40 +292,52 @@ class EventStore:
             )
             return [_envelope(row) for row in result]
 
-    async def iter_raw(self, after: int, upto: int | None = None, batch: int = 20000) -> AsyncIterator[list[RawEvent]]:
+    async def iter_raw(
+        self, after: int, upto: int | None = None, batch: int = 20000, types: Collection[str] | None = None
+    ) -> AsyncIterator[list[RawEvent]]:
         """Stream events in position order as upcast dicts, in batches, for projections.
 
-        Keyset pagination on the position index keeps each query short and the
-        memory flat over logs of any size.
+        Keyset pagination on the position index keeps each query short and memory
+        flat over logs of any size. The next batch is fetched while the caller
+        works on the current one, so Postgres and Python run side by side.
+        `types` limits the read to the event types the caller folds.
         """
         registry = self.registry
+        type_filter = sorted(types) if types is not None else None
         async with self.engine.connect() as conn:
             raw = (await conn.get_raw_connection()).driver_connection
-            cursor = after
-            while True:
-                if upto is not None and cursor >= upto:
-                    return
-                rows = await raw.fetch(
-                    "SELECT position, type, version, payload::text, occurred_at, stream_id FROM events"
-                    " WHERE position > $1 AND ($2::bigint IS NULL OR position <= $2) ORDER BY position LIMIT $3",
-                    cursor,
-                    upto,
-                    batch,
-                )
-                if not rows:
-                    return
+            statement = await raw.prepare(
+                "SELECT position, type, version, payload::text, occurred_at FROM events"
+                " WHERE position > $1 AND position <= $2 AND ($3::text[] IS NULL OR type = ANY($3))"
+                " ORDER BY position LIMIT $4"
+            )
+            ceiling = upto if upto is not None else 2**63 - 1
+
+            async def fetch(cursor: int) -> list[Any]:
+                return await statement.fetch(cursor, ceiling, type_filter, batch) if cursor < ceiling else []
+
+            latest: dict[str, int] = {}
+            rows = await fetch(after)
+            while rows:
+                upcoming = asyncio.ensure_future(fetch(rows[-1][0]))
                 out: list[RawEvent] = []
-                for position, type_name, version, payload_text, occurred_at, stream_id in rows:
-                    payload = json.loads(payload_text)
-                    if not registry.known(type_name):
-                        # A type this code does not know (written by a newer release):
-                        # projections skip it rather than guess.
-                        continue
-                    if version != registry.contract(type_name).VERSION:
-                        _, payload = registry.upcast(type_name, version, payload)
-                    out.append(RawEvent(position, type_name, payload, occurred_at, stream_id))
-                cursor = rows[-1][0]
-                yield out
+                try:
+                    for position, type_name, version, payload_text, occurred_at in rows:
+                        current = latest.get(type_name)
+                        if current is None:
+                            if not registry.known(type_name):
+                                # Written by a newer release: projections skip it rather than guess.
+                                continue
+                            current = latest[type_name] = registry.contract(type_name).VERSION
+                        payload = orjson.loads(payload_text)
+                        if version != current:
+                            _, payload = registry.upcast(type_name, version, payload)
+                        out.append(RawEvent(position, type_name, payload, occurred_at))
+                    yield out
+                except BaseException:
+                    upcoming.cancel()
+                    raise
+                rows = await upcoming
 
 
 def _envelope(row: Any) -> Envelope:

@@ -136,7 +136,7 @@ async def rebuild(store: EventStore, projections: Sequence[Projection] = ALL_PRO
     rows: dict[str, Rows] = {p.name: {} for p in projections}
     handled = {t: [p for p in projections if t in p.reducers] for p in projections for t in p.reducers}
     last, count = 0, 0
-    async for events in store.iter_raw(0, upto):
+    async for events in store.iter_raw(0, upto, types=handled.keys()):
         for event in events:
             for p in handled.get(event.type, ()):
                 p.apply(rows[p.name], event)
