@@ -26,7 +26,8 @@ def plot_queue_dynamics(rec: Recorder, path: Path, title: str) -> Path:
     top.plot(t, b[:, 4], label="RUNNING", lw=1)
     if b[:, 6].any():
         top.plot(t, b[:, 6], label="SWAPPED", lw=1)
-    top.plot(t, b[:, 2], label="executed (batch_count)", lw=0.8, alpha=0.7)
+    if (b[:, 2] != b[:, 4]).any():  # only when B leaves some RUNNING requests out of the batch
+        top.plot(t, b[:, 2], label="executed (batch_count)", lw=0.8, ls="--", alpha=0.7)
     sac = b[:, 11] > 0
     if sac.any():
         top.scatter(t[sac], b[sac, 11], s=6, color="red", label="sacrifices in batch", zorder=3)
@@ -35,11 +36,16 @@ def plot_queue_dynamics(rec: Recorder, path: Path, title: str) -> Path:
     top.set_title(title)
     bottom.plot(t, b[:, 7], label="GPU memory used", lw=1)
     bottom.axhline(rec.M_total, color="black", ls=":", lw=0.8, label="M_total")
-    bottom.plot(t, b[:, 3], label="batch tokens", lw=0.8, alpha=0.8)
-    bottom.axhline(rec.system.params.B, color="gray", ls="--", lw=0.8, label="B")
     bottom.set_xlabel("time (batch-time units)")
-    bottom.set_ylabel("tokens")
-    bottom.legend(loc="upper right", fontsize=8)
+    bottom.set_ylabel("GPU memory (tokens)")
+    twin = bottom.twinx()
+    twin.plot(t, b[:, 3], color="C1", label="batch tokens", lw=0.8, alpha=0.8)
+    if b[:, 3].max(initial=0) >= 0.5 * rec.system.params.B:
+        twin.axhline(rec.system.params.B, color="C1", ls="--", lw=0.8, label="B")
+    twin.set_ylabel("batch tokens", color="C1")
+    lines = bottom.get_legend_handles_labels()
+    more = twin.get_legend_handles_labels()
+    bottom.legend(lines[0] + more[0], lines[1] + more[1], loc="lower center", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
