@@ -10,7 +10,8 @@ from simulation.recorder import Recorder
 
 
 def sacrifice_distribution(rec: Recorder, max_rows: int = 2000) -> tuple[list[str], list[list]]:
-    """One row per sacrifice event: the distribution of decode positions over all sacrifices so far.
+    """One row per sacrifice event: the cumulative distribution (CDF) over decode positions of all
+    sacrifices so far; column `pos_j` = share of sacrifices at a position <= j.
 
     Rows are thinned evenly to at most `max_rows` (the last event is always kept).
     """
@@ -25,7 +26,7 @@ def sacrifice_distribution(rec: Recorder, max_rows: int = 2000) -> tuple[list[st
     for k, e in enumerate(events):
         counts[e[2]] += 1
         if k in keep:
-            rows.append([k, e[0], e[1], *(counts / (k + 1)).round(6).tolist()])
+            rows.append([k, e[0], e[1], *(np.cumsum(counts) / (k + 1)).round(6).tolist()])
     return columns, rows
 
 

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("truncate", help="truncation experiments: explore candidates, or cut and inject")
     _add_config_args(t)
-    how = t.add_mutually_exclusive_group(required=True)
+    how = t.add_mutually_exclusive_group()
     how.add_argument("--explore", action="store_true", help="run in full and mark candidate truncation points")
     how.add_argument("--at", type=int, metavar="BATCH", help="cut after this batch and inject new arrivals")
     t.add_argument("--new-rate", type=float, default=None, help="arrival rate after the cut (default: half)")
@@ -189,6 +189,8 @@ def cmd_truncate(args: argparse.Namespace, command: str) -> int:
         print(f"explore run written to {out}; cut with `modelpool sim truncate --at BATCH`")
         return 0
     at = args.at if args.at is not None else cfg.truncation.at_batch
+    if at is None:
+        raise ValueError("truncate needs --explore, --at BATCH, or truncation.at_batch in the config")
     new_rate = args.new_rate if args.new_rate is not None else cfg.truncation.new_rate
     new_n = args.new_n if args.new_n is not None else cfg.truncation.new_n
     with _progress(len(specs), cfg.experiment.verbose, f"truncate {label}") as update:

@@ -112,7 +112,7 @@ def plot_sacrifice_dynamics(rec: Recorder, path: Path, *, end_time: float, title
         probs = np.array([r[3:] for r in rows], dtype=float)
         idx = np.linspace(0, len(rows) - 1, min(6, len(rows))).round().astype(int)
         for i in idx:
-            middle.plot(np.arange(probs.shape[1]), np.cumsum(probs[i]), label=f"t={rows[i][1]:.0f}")
+            middle.plot(np.arange(probs.shape[1]), probs[i], label=f"t={rows[i][1]:.0f}")
         middle.legend(fontsize=8, title="after the sacrifice at")
     middle.set_xlabel("decode position")
     middle.set_ylabel("CDF of sacrificed positions")
