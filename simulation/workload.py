@@ -124,7 +124,8 @@ def write_requests(path: str | Path, specs: list[RequestSpec]) -> Path:
 
 
 def read_requests(path: str | Path, *, L_filter: int | None = None) -> list[RequestSpec]:
-    """Read a requests.csv (spaces after commas allowed), sorted by arrival time."""
+    """Read a requests.csv, sorted by arrival time. Spaces after commas, blank lines and `#` comment
+    lines (as in the seed's example) are allowed."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -132,7 +133,8 @@ def read_requests(path: str | Path, *, L_filter: int | None = None) -> list[Requ
         )
     specs: list[RequestSpec] = []
     with path.open(newline="") as f:
-        reader = csv.DictReader(f, skipinitialspace=True)
+        lines = (line for line in f if line.strip() and not line.lstrip().startswith("#"))
+        reader = csv.DictReader(lines, skipinitialspace=True)
         fields = [c.strip() for c in (reader.fieldnames or [])]
         missing = [c for c in REQUEST_COLUMNS if c not in fields]
         if missing:

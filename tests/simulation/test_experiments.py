@@ -81,6 +81,13 @@ def test_generate_is_seeded_and_writes_the_seed_columns(tmp_path):
     assert [s.arrival_time for s in specs] == sorted(s.arrival_time for s in specs)
 
 
+def test_reads_the_seed_example_format(tmp_path):
+    path = tmp_path / "requests.csv"
+    path.write_text("# requests.csv\narrival_time, prefill_length, decode_length\n1.2, 75, 25\n0.0, 50, 20\n\n0.5, 100, 30\n")
+    specs = read_requests(path, L_filter=25)
+    assert [(s.arrival_time, s.prefill_length, s.decode_length) for s in specs] == [(0.0, 50, 20), (1.2, 75, 25)]
+
+
 def test_gamma_burstiness_keeps_the_rate_and_raises_variability():
     import numpy as np
 
