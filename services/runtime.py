@@ -16,11 +16,12 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
+from faststream.nats import NatsBroker
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared.bus.jetstream import connect, ensure_streams
+from shared.bus.jetstream import Consumer, connect, ensure_streams
 from shared.bus.subjects import Subjects
 from shared.contracts.commands import command_registry
 from shared.contracts.events import event_registry
@@ -45,7 +46,15 @@ class ServiceContext:
     subjects: Subjects
     events: Registry
     commands: Registry
+    broker: NatsBroker
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def consume(self, *consumers: Consumer) -> None:
+        """Run these bus consumers (FastStream drives their pull loops) until the service stops."""
+        for consumer in consumers:
+            consumer.subscribe(self.broker)
+        await self.broker.start()
+        await self.stop.wait()
 
     async def record(self, *events: Envelope, expected_version: int = -1) -> list[Envelope]:
         """Append events of one stream to the log, carrying the current trace context."""
@@ -66,6 +75,8 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
     js = nc.jetstream()
     subjects = Subjects(settings.namespace)
     await ensure_streams(js, subjects)
+    broker = NatsBroker(settings.nats_url, logger=logging.getLogger(f"modelpool.{name}.bus"))
+    stack.push_async_callback(broker.stop)
     return ServiceContext(
         name=name,
         settings=settings,
@@ -77,6 +88,7 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
         subjects=subjects,
         events=events,
         commands=command_registry(),
+        broker=broker,
     )
 
 

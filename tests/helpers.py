@@ -54,3 +54,23 @@ class ServiceProcess:
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+class consuming:
+    """Run bus consumers on a FastStream broker for the duration of a `async with` block."""
+
+    def __init__(self, nats_url: str, *consumers) -> None:
+        import logging
+
+        from faststream.nats import NatsBroker
+
+        self.broker = NatsBroker(nats_url, logger=logging.getLogger("tests.bus"))
+        for consumer in consumers:
+            consumer.subscribe(self.broker)
+
+    async def __aenter__(self):
+        await self.broker.start()
+        return self.broker
+
+    async def __aexit__(self, *exc) -> None:
+        await self.broker.stop()

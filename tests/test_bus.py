@@ -8,7 +8,7 @@ import asyncpg
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from helpers import eventually
+from helpers import consuming, eventually
 from shared.bus import subjects as h
 from shared.bus.jetstream import Consumer, publish
 from shared.bus.relay import Relay
@@ -71,7 +71,7 @@ async def test_relay_publishes_committed_events_once_in_order(store, bus, settin
     assert Envelope.model_validate_json(msgs[0].data).payload["session_id"] == "s0"
 
 
-async def test_poison_messages_go_to_dead_letter_and_the_consumer_keeps_going(bus, telemetry):
+async def test_poison_messages_go_to_dead_letter_and_the_consumer_keeps_going(bus, settings, telemetry):
     handled: list[str] = []
 
     async def handler(envelope, command):
@@ -90,12 +90,9 @@ async def test_poison_messages_go_to_dead_letter_and_the_consumer_keeps_going(bu
     good = probe(n=7)
     await publish(bus.js, subject, good, telemetry)
 
-    stop = asyncio.Event()
-    task = asyncio.create_task(consumer.run(stop))
-    await eventually(lambda: (handled == ["i7"]))
-    await eventually(lambda: (consumer.stats.dead_lettered == 3))
-    stop.set()
-    await task
+    async with consuming(settings.nats_url, consumer):
+        await eventually(lambda: handled == ["i7"])
+        await eventually(lambda: consumer.stats.dead_lettered == 3)
 
     dead = await collect(bus, bus.subjects.dead_letter("worker-w1"), 3)
     reasons = [m.headers[h.DLQ_REASON] for m in dead]
@@ -109,7 +106,7 @@ async def test_poison_messages_go_to_dead_letter_and_the_consumer_keeps_going(bu
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
-async def test_failing_handler_is_retried_then_dead_lettered(bus, telemetry):
+async def test_failing_handler_is_retried_then_dead_lettered(bus, settings, telemetry):
     attempts = 0
 
     async def handler(envelope, command):
@@ -123,17 +120,14 @@ async def test_failing_handler_is_retried_then_dead_lettered(bus, telemetry):
         telemetry=telemetry, max_deliver=3,
     )
     await publish(bus.js, bus.subjects.placement_commands, probe(), telemetry)
-    stop = asyncio.Event()
-    task = asyncio.create_task(consumer.run(stop))
-    await eventually(lambda: (consumer.stats.dead_lettered == 1), timeout=20)
-    stop.set()
-    await task
+    async with consuming(settings.nats_url, consumer):
+        await eventually(lambda: consumer.stats.dead_lettered == 1, timeout=20)
     assert attempts == 3
     dead = await collect(bus, bus.subjects.dead_letter("placement"), 1)
     assert "handler failed 3 times" in dead[0].headers[h.DLQ_REASON]
 
 
-async def test_trace_context_travels_in_headers(bus):
+async def test_trace_context_travels_in_headers(bus, settings):
     produced, consumed = InMemorySpanExporter(), InMemorySpanExporter()
     producer = Telemetry("producer", span_exporter=produced)
     consumer_telemetry = Telemetry("consumer", span_exporter=consumed)
@@ -153,11 +147,8 @@ async def test_trace_context_travels_in_headers(bus):
         filter_subject=bus.subjects.worker_commands("w1"), registry=command_registry(), handler=handler,
         telemetry=consumer_telemetry,
     )
-    stop = asyncio.Event()
-    task = asyncio.create_task(consumer.run(stop))
-    await eventually(lambda: (len(seen) == 1))
-    stop.set()
-    await task
+    async with consuming(settings.nats_url, consumer):
+        await eventually(lambda: len(seen) == 1)
     assert seen == [trace_id]
     producer.shutdown()
     consumer_telemetry.shutdown()

@@ -181,3 +181,37 @@ async def test_history_and_status_commands(store, settings):
     data = json.loads(_cli(settings, "status", "--json").stdout)
     assert [a["alias"] for a in data["aliases"]] == [ALIAS]
     assert {i["instance_id"] for i in data["instances"]} == {"f1", "v1"}
+
+
+async def test_a_service_loads_the_projection_then_follows_the_log(store, bus, settings):
+    """LiveView: rows and position from the projector's tables, then every later event, woken by the bus."""
+    import asyncio
+
+    from helpers import eventually
+    from shared.bus.relay import Relay
+    from shared.projections.live import LiveView
+    from shared.projections.readmodels import INSTANCES, ROUTING
+    from shared.telemetry import Telemetry
+
+    await record_a_day(store)
+    projector = Projector(store, store.engine)
+    await projector.load()
+    await projector.catch_up()
+
+    view = LiveView(store, store.engine, [ROUTING, INSTANCES])
+    await view.load()
+    assert view.position == projector.position
+    assert view[ROUTING][ALIAS]["state"] == "MIXED" and set(view[INSTANCES]) == {"f1", "v1"}
+
+    stop = asyncio.Event()
+    relay = Relay(store, bus.js, bus.subjects, Telemetry("t"), listen_dsn=settings.asyncpg_dsn, schema=settings.namespace,
+                  poll_interval_s=0.2)
+    tasks = [asyncio.create_task(relay.run(stop)), asyncio.create_task(view.follow(bus.nc, bus.subjects, stop, poll_interval_s=30))]
+    await store.append(f"alias:{ALIAS}", [Envelope.wrap(RoutingStateChanged(
+        alias=ALIAS, from_state=R.MIXED, to_state=R.VLLM_PRIMARY, reason="ramp done", mix_weight=1.0, policy="hybrid"))])
+    # The slow poll is 30 s: seeing this quickly means the bus woke the view.
+    await eventually(lambda: view[ROUTING][ALIAS]["state"] == "VLLM_PRIMARY", timeout=5)
+    stop.set()
+    await asyncio.gather(*tasks)
+    rebuilt, last, _ = await rebuild(store, [ROUTING, INSTANCES])
+    assert view.position == last and view[ROUTING] == rebuilt["routing"] and view[INSTANCES] == rebuilt["instances"]

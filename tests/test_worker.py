@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from helpers import eventually
+from helpers import consuming, eventually
 from services.worker.engines import EngineLauncher, EngineOptions
 from services.worker.service import Worker
 from shared.bus import subjects as h
@@ -42,7 +42,7 @@ async def states(store, iid: str) -> list[str]:
     return [e.payload["to_state"] for e in await store.read_stream(f"instance:{iid}") if e.type == "InstanceStateChanged"]
 
 
-async def test_the_same_command_delivered_twice_has_one_effect(worker, store, bus, telemetry):
+async def test_the_same_command_delivered_twice_has_one_effect(worker, store, bus, settings, telemetry):
     consumer = Consumer(bus.js, bus.subjects, stream=bus.subjects.commands_stream, durable="worker-w1",
                         filter_subject=bus.subjects.worker_commands("w1"), registry=command_registry(),
                         handler=worker.handle, telemetry=telemetry)
@@ -51,14 +51,11 @@ async def test_the_same_command_delivered_twice_has_one_effect(worker, store, bu
     # Twice on the bus, past JetStream's de-duplication (as after its window, or a publisher's retry).
     for msg_id in ("first", "second"):
         await bus.js.publish(bus.subjects.worker_commands("w1"), body, headers={h.MSG_ID: msg_id})
-    stop = asyncio.Event()
-    task = asyncio.create_task(consumer.run(stop))
-    await eventually(lambda: consumer.stats.handled == 2)
-    await eventually(lambda: outcomes(store, "v1"), timeout=30)
+    async with consuming(settings.nats_url, consumer):
+        await eventually(lambda: consumer.stats.handled == 2)
+        await eventually(lambda: outcomes(store, "v1"), timeout=30)
     # And once more straight into the handler, while the first is long finished.
     await worker.handle(command, start("v1"))
-    stop.set()
-    await task
 
     assert await states(store, "v1") == ["STARTING", "RUNNING"]
     assert await outcomes(store, "v1") == [("start", "ok")]

@@ -45,7 +45,6 @@ async def serve(ctx: ServiceContext) -> None:
         telemetry=ctx.telemetry,
         deliver_new_only=True,
     )
-    await consumer.start()
 
     async def poll() -> None:
         # The bus can be down while the log is not: a slow poll keeps projections moving.
@@ -56,7 +55,7 @@ async def serve(ctx: ServiceContext) -> None:
                 async with lock:
                     await projector.catch_up()
 
-    await asyncio.gather(consumer.run(ctx.stop), poll())
+    await asyncio.gather(ctx.consume(consumer), poll())
 
 
 def main(argv: list[str]) -> int:

@@ -17,7 +17,7 @@ async def serve(ctx: ServiceContext) -> None:
         assert isinstance(command, PlaceInstance)
         await placement.handle(envelope, command)
 
-    await Consumer(
+    await ctx.consume(Consumer(
         ctx.js,
         ctx.subjects,
         stream=ctx.subjects.commands_stream,
@@ -26,7 +26,7 @@ async def serve(ctx: ServiceContext) -> None:
         registry=ctx.commands,
         handler=on_request,
         telemetry=ctx.telemetry,
-    ).run(ctx.stop)
+    ))
 
 
 def main(argv: list[str]) -> int:

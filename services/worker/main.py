@@ -71,7 +71,7 @@ async def serve(ctx: ServiceContext) -> None:
                 await worker.report_load()
 
     try:
-        await asyncio.gather(consumer.run(ctx.stop), report_load())
+        await asyncio.gather(ctx.consume(consumer), report_load())
     finally:
         await worker.shutdown()
 

@@ -19,10 +19,13 @@ from dataclasses import dataclass
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
+from faststream import AckPolicy as FastStreamAck
+from faststream.message import StreamMessage
+from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats.annotations import NatsMessage
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
 from shared.bus import subjects as h
@@ -133,7 +136,7 @@ class ConsumerStats:
 
 
 class Consumer:
-    """A durable pull consumer: fetch, validate, handle, ack after the effect is committed."""
+    """A durable pull consumer: validate, handle, ack after the effect is committed."""
 
     def __init__(
         self,
@@ -164,10 +167,9 @@ class Consumer:
         self.batch = batch
         self.deliver_new_only = deliver_new_only
         self.stats = ConsumerStats()
-        self._sub: JetStreamContext.PullSubscription | None = None
 
-    async def start(self) -> None:
-        config = ConsumerConfig(
+    def consumer_config(self) -> ConsumerConfig:
+        return ConsumerConfig(
             durable_name=self.durable,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.ack_wait_s,
@@ -177,31 +179,29 @@ class Consumer:
             filter_subject=self.filter_subject,
             deliver_policy=DeliverPolicy.NEW if self.deliver_new_only else DeliverPolicy.ALL,
         )
-        try:
-            self._sub = await self.js.pull_subscribe(
-                self.filter_subject, durable=self.durable, stream=self.stream, config=config
-            )
-        except BadRequestError:
-            # The consumer exists with an older configuration: bind to it as it is.
-            self._sub = await self.js.pull_subscribe_bind(self.durable, self.stream)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        if self._sub is None:
-            await self.start()
-        assert self._sub is not None
-        while not stop.is_set():
-            try:
-                messages = await self._sub.fetch(self.batch, timeout=0.5)
-            except (NatsTimeout, asyncio.TimeoutError):
-                continue  # nothing to fetch: the normal idle case
-            except Exception:  # connection trouble: nats-py reconnects; back off briefly
-                if stop.is_set():
-                    break
-                log.exception("%s: fetch failed", self.durable)
-                await asyncio.sleep(0.5)
-                continue
-            for msg in messages:
-                await self.handle(msg)
+    def subscribe(self, broker: NatsBroker) -> None:
+        """Register with a FastStream broker, which runs the pull loop; `handle` does the rest.
+
+        Acknowledgement is manual: `handle` acks only after the handler's effect is
+        committed. The raw body is passed through undecoded, so a message that is
+        not even JSON still reaches `handle` and is dead-lettered with its reason.
+        """
+
+        async def undecoded(message: StreamMessage[Msg]) -> bytes:
+            return message.body
+
+        @broker.subscriber(
+            self.filter_subject,
+            stream=JStream(self.stream, declare=False),
+            durable=self.durable,
+            config=self.consumer_config(),
+            pull_sub=PullSub(batch_size=self.batch, timeout=0.5),
+            ack_policy=FastStreamAck.MANUAL,
+            decoder=undecoded,
+        )
+        async def on_message(body: bytes, message: NatsMessage) -> None:
+            await self.handle(message.raw_message)
 
     async def handle(self, msg: Msg) -> None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Callable
 
 from shared.eventlog.store import RawEvent
@@ -33,6 +34,11 @@ class Projection:
         """Fold one event into `rows`; return the keys it touched (deleted keys included)."""
         reducer = self.reducers.get(event.type)
         return reducer(rows, event) if reducer else ()
+
+
+def _time(value: str | None) -> datetime | None:
+    """Timestamps inside payloads arrive as ISO text; rows hold datetimes, like the columns."""
+    return datetime.fromisoformat(value) if value else None
 
 
 # --------------------------------------------------------------------------- routing
@@ -74,7 +80,7 @@ def _routing_changed(rows: Rows, event: RawEvent) -> Iterable[str]:
         mix_weight=p["mix_weight"],
         switch_reason=p["reason"],
         switched_at=event.occurred_at,
-        cooldown_until=p.get("cooldown_until"),
+        cooldown_until=_time(p.get("cooldown_until")),
     )
     return (p["alias"],)
 
