@@ -139,7 +139,6 @@ class SimRequest:
     wasted_tokens: int = 0  # decode tokens lost to sacrifices (recomputed later)
     cancelled: bool = False
     order: int = 0  # arrival order, FCFS tie-break
-    scheduled_in: int = -1  # batch id of the last batch that included it
 
     @property
     def footprint(self) -> int:
@@ -224,6 +223,7 @@ class DecodeSystem:
         self._order = itertools.count()
         self.prefix_cache = PrefixCache(params.prefix_cache_blocks) if params.prefix_cache_blocks else None
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+        self._finishing_prefill: set[str] = set()  # ids whose last prompt chunk is in the current batch
 
     # ---- read-only views ------------------------------------------------
     @property
@@ -328,66 +328,79 @@ class DecodeSystem:
             self._requeue(victims)
             return None
 
-        batch_id = self._batch_id
         # Phase 2: execution batch under B, then memory pressure
-        batch, tokens, growth = self._select_batch(batch_id)
+        batch, chunks, tokens, growth = self._select_batch()
         deficit = self._memory + growth - p.M_total
         if deficit > 0:
-            positions = Counter(r.decoded for r in self._running.values())
-            total_running = len(self._running)
-            dropped = False
-            while deficit > 0 and self._running:
-                victim = self._pick_victim(self._running)
-                in_batch = victim.scheduled_in == batch_id
+            running = self._running
+            positions = Counter(r.decoded for r in running.values())
+            total_running = len(running)
+            members = None if len(batch) == total_running else {r.request_id for r in batch}
+            removed: set[str] = set()
+            while deficit > 0 and running:
+                victim = self._pick_victim(running)
+                in_batch = members is None or victim.request_id in members
                 freed = victim.footprint
-                deficit -= freed + (1 if in_batch and self._produces_token(victim) else 0)
+                deficit -= freed
                 if in_batch:
-                    victim.scheduled_in = -1
-                    dropped = True
+                    removed.add(victim.request_id)
+                    if self._produces_token(victim, chunks is not None):
+                        deficit -= 1
                 preemptions.append(
                     Preemption(victim.request_id, p.mode, victim.decoded, freed,
                                positions[victim.decoded], total_running, 2)
                 )
                 self._preempt(victim, now)
                 victims.append(victim)
-            if dropped:
-                batch = [(r, c) for r, c in batch if r.scheduled_in == batch_id]
-                tokens = sum(self._charge(r, c) for r, c in batch)
+            if removed:
+                keep = [i for i, r in enumerate(batch) if r.request_id not in removed]
+                batch = [batch[i] for i in keep]
+                if chunks is not None:
+                    chunks = [chunks[i] for i in keep]
+                    tokens = sum(self._charge(r, c) for r, c in zip(batch, chunks))
+                else:
+                    tokens = sum(self._charge(r, 0) for r in batch)
         # Phase 3: queue update
         self._requeue(victims)
         if not batch:
-            # every RUNNING request was preempted; nothing executes this step
+            # every request of the batch was preempted (random/LRU victims); nothing executes this step
             return self._result(now, 0.0, 0, (), (), (), admitted, swapped_in, preemptions, self._memory, 0)
 
         duration = p.d_0 + p.d_1 * tokens
         end = now + duration
-        decoded: list[str] = []
         emitted: list[str] = []
         prefilled: list[tuple[str, int]] = []
         finished: list[SimRequest] = []
         lru = self._lru
         counters = self.counters
-        cache = self.prefix_cache
-        for req, chunk in batch:
-            if chunk:
-                req.prefilled += chunk
-                prefilled.append((req.request_id, chunk))
-                counters["prompt_tokens"] += chunk
-                if req.prefilled < req.prefill_length:
-                    continue
-                if cache is not None and req.prefix_hashes:
-                    cache.insert(req.prefix_hashes)
-            req.decoded += 1
-            self._memory += 1
-            decoded.append(req.request_id)
-            if req.decoded > req.max_decoded:
-                req.max_decoded = req.decoded
+        if chunks is None:
+            decoders = batch
+        else:
+            decoders = []
+            cache = self.prefix_cache
+            for req, chunk in zip(batch, chunks):
+                if chunk:
+                    req.prefilled += chunk
+                    prefilled.append((req.request_id, chunk))
+                    counters["prompt_tokens"] += chunk
+                    if req.prefilled < req.prefill_length:
+                        continue
+                    if cache is not None and req.prefix_hashes:
+                        cache.insert(req.prefix_hashes)
+                decoders.append(req)
+        for req in decoders:
+            d = req.decoded + 1
+            req.decoded = d
+            if d > req.max_decoded:
+                req.max_decoded = d
                 emitted.append(req.request_id)
-            if req.decoded >= req.decode_length:
+            if d >= req.decode_length:
                 finished.append(req)
+        decoded = [r.request_id for r in decoders]
+        self._memory += len(decoders)
         if lru is not None:
             # ties within a batch break LIFO: the latest to enter RUNNING becomes the least recent
-            for req, _ in reversed(batch):
+            for req in reversed(batch):
                 lru.move_to_end(req.request_id)
         counters["generation_tokens"] += len(decoded)
         counters["emitted_tokens"] += len(emitted)
@@ -529,8 +542,12 @@ class DecodeSystem:
             self._lru[req.request_id] = req
         self._memory += req.footprint
 
-    def _produces_token(self, req: SimRequest) -> bool:
-        return req.prefilled >= req.prefill_length
+    def _produces_token(self, req: SimRequest, prefill: bool) -> bool:
+        # an in-batch request decodes unless its prompt is unfinished after this batch's chunk
+        return not prefill or req.prefilled >= req.prefill_length or self._last_chunk(req)
+
+    def _last_chunk(self, req: SimRequest) -> bool:
+        return req.request_id in self._finishing_prefill
 
     def _charge(self, req: SimRequest, chunk: int) -> int:
         if chunk:
@@ -539,14 +556,27 @@ class DecodeSystem:
             return req.prefill_length + req.decoded
         return 1
 
-    def _select_batch(self, batch_id: int) -> tuple[list[tuple[SimRequest, int]], int, int]:
-        """RUNNING requests in entry order while the budget B lasts (the first always runs)."""
+    def _select_batch(self) -> tuple[list[SimRequest], list[int] | None, int, int]:
+        """RUNNING requests in entry order while the budget B lasts (the first always runs).
+
+        Returns (batch, prompt chunks aligned with it or None in pure-decode mode, tokens, growth).
+        """
         budget = self.params.B
+        running = self._running
+        if not self.params.prefill and self.params.cost is DecodeCost.ONE:
+            # the seed's model: one token per request, everyone up to B runs
+            if len(running) <= budget:
+                batch = list(running.values())
+            else:
+                batch = list(itertools.islice(running.values(), budget))
+            return batch, None, len(batch), len(batch)
         context = self.params.cost is DecodeCost.CONTEXT
-        batch: list[tuple[SimRequest, int]] = []
+        batch: list[SimRequest] = []
+        chunks: list[int] = []
+        finishing: set[str] = set()
         tokens = 0
         growth = 0
-        for req in self._running.values():
+        for req in running.values():
             remaining_prompt = req.prefill_length - req.prefilled
             if remaining_prompt > 0:
                 chunk = min(remaining_prompt, budget - tokens)
@@ -555,18 +585,20 @@ class DecodeSystem:
                 cost = chunk
                 if chunk == remaining_prompt:
                     growth += 1  # the last prompt chunk also yields the first token
+                    finishing.add(req.request_id)
             else:
                 chunk = 0
                 cost = req.prefill_length + req.decoded if context else 1
                 if tokens + cost > budget and batch:
                     break
                 growth += 1
-            req.scheduled_in = batch_id
-            batch.append((req, chunk))
+            batch.append(req)
+            chunks.append(chunk)
             tokens += cost
             if tokens >= budget:
                 break
-        return batch, tokens, growth
+        self._finishing_prefill = finishing
+        return batch, chunks, tokens, growth
 
     def _pick_victim(self, pool: dict[str, SimRequest]) -> SimRequest:
         policy = self.params.victim_policy
