@@ -343,3 +343,37 @@ def test_allow_waiting_preempt_lets_an_earlier_arrival_displace_later_ones():
             assert [p.request_id for p in res.preemptions] == ["D"] and res.preemptions[0].phase == 1
         else:
             assert res.admitted == () and res.preemptions == ()
+
+
+@pytest.mark.parametrize(("mode", "strategy"), [(m, s) for m in PreemptionMode for s in Strategy])
+def test_serving_mode_invariants_with_prefill_and_prefix_cache(mode, strategy):
+    # chunked prefill and shared prompt prefixes under memory pressure
+    params = SystemParams(M_total=600, B=64, d_0=0.01, d_1=0.001, mode=mode, strategy=strategy,
+                          prefill=True, prefix_cache_blocks=32, block_size=8)
+    system = DecodeSystem(params)
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(1000) for _ in range(48)] for _ in range(3)]
+    requests = []
+    t = 0.0
+    for i in range(120):
+        t += rng.expovariate(20.0)
+        prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(1, 40))]
+        requests.append(SimRequest(f"s{i}", t, len(prompt), rng.randint(1, 80), block_hashes(prompt, 8)))
+    emitted: Counter[str] = Counter()
+    completions: Counter[str] = Counter()
+
+    def on_step(res):
+        assert res.memory_peak <= params.M_total
+        assert res.batch_tokens <= params.B
+        emitted.update(res.emitted)
+        completions.update(res.completed)
+
+    run_until_idle(system, requests, on_step=on_step)
+    assert all(completions[r.request_id] == 1 for r in requests)
+    assert all(emitted[r.request_id] == r.decode_length for r in requests)
+    assert system.memory_used == 0
+    assert 0.2 < system.apc < 1.0
+    if strategy is Strategy.AGGRESSIVE:
+        assert system.counters["preemptions"] > 0  # the case exercises preemption during prefill/decode
+    assert system.counters["prompt_tokens"] + system.counters["prefix_cache_hits"] >= sum(
+        r.prefill_length for r in requests)
