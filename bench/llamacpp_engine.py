@@ -88,8 +88,15 @@ class BareDecodeLimit:
             prompts = [self.prompts[(s + r * n) % len(self.prompts)] for s in range(n)]
             for s in range(n):
                 backend.seq_rm(s, 0)
-            out = backend.decode([SeqWork(s, s, prompts[s], 0, True, "prefill") for s in range(n)])
-            nxt = [int(backend.logits(out[s]).argmax()) for s in range(n)]
+            nxt = []
+            group: list[SeqWork] = []
+            for s in range(n + 1):  # whole prompts, as many per call as the 512-token batch holds
+                if s == n or sum(len(w.tokens) for w in group) + len(prompts[s]) > 512:
+                    out = backend.decode(group)
+                    nxt += [int(backend.logits(i).argmax()) for i in out]
+                    group = []
+                if s < n:
+                    group.append(SeqWork(s, s, prompts[s], 0, True, "prefill"))
             pos = [len(p) for p in prompts]
             for _step in range(max_tokens - 1):
                 out = backend.decode([SeqWork(s, s, [nxt[s]], pos[s], True, "decode") for s in range(n)])
@@ -288,6 +295,11 @@ def main() -> int:
             ours[c] = asyncio.run(load_level(ours_url, "bench", c, args.rounds, args.max_tokens, eog_bias))
             if problem is None:
                 stock[c] = asyncio.run(load_level(stock_url, "bench", c, args.rounds, args.max_tokens, eog_bias))
+            tqdm.write(
+                f"c={c}: limit {limit[c]:.1f} tok/s, ours {ours[c]['tokens_per_s']:.1f} tok/s"
+                + (f", stock {stock[c]['tokens_per_s']:.1f} tok/s" if c in stock else ""),
+                file=sys.stderr,
+            )
     finally:
         for proc in procs:
             stop_server(proc)

@@ -171,7 +171,7 @@ class EngineAPI:
             owned_by=ENGINE_NAME,
             engine=ENGINE_NAME,
             simulated=False,
-            max_model_len=self.engine.settings.ctx_per_seq,
+            max_model_len=self.engine.backend.n_ctx_seq if self.engine.backend else self.engine.settings.ctx_per_seq,
         )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
