@@ -38,11 +38,11 @@ def measure_sim_speed(
     """Simulated batches/s and requests/s at lambda x `scale`, plus a scaling curve vs RUNNING size.
 
     Stops after `seconds` of wall time or when all `n_requests` completed
-    (default: 2000 x scale requests).
+    (default: max(20,000, 2,000 x scale) requests, so a run lasts long enough to time).
     """
     if scale < 1:
         raise ValueError("scale must be >= 1")
-    n = n_requests if n_requests is not None else 2000 * scale
+    n = n_requests if n_requests is not None else max(20_000, 2_000 * scale)
     params = default_params(scale)
     specs = generate(n, DEFAULT_RATE * scale, seed=seed, prefill=DEFAULT_PREFILL, decode=DEFAULT_DECODE)
     requests = [SimRequest(str(i), s.arrival_time, s.prefill_length, s.decode_length) for i, s in enumerate(specs)]
