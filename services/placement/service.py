@@ -18,7 +18,7 @@ from services.placement.scoring import Decision, Placed, Request, WorkerView, pl
 from shared.bus.jetstream import publish
 from shared.bus.subjects import Subjects
 from shared.contracts.backends import BackendType, EngineKind
-from shared.contracts.commands import PlaceInstance, StartInstance
+from shared.contracts.commands import EngineSpec, PlaceInstance, StartInstance
 from shared.contracts.events import PlacementDecided, PlacementFailed, PlacementRequested
 from shared.contracts.messages import Envelope, derived_id
 from shared.eventlog.store import EventStore, RawEvent
@@ -117,11 +117,8 @@ class Placement:
                                 headers=self.telemetry.current_headers())
 
     async def _send_start(self, envelope: Envelope, cmd: PlaceInstance, worker_id: str) -> None:
-        start = StartInstance(
-            instance_id=cmd.instance_id, alias=cmd.alias, backend_type=cmd.backend_type, worker_id=worker_id,
-            engine=cmd.engine, model_name=cmd.model_name, model_path=cmd.model_path, gpu_memory_gb=cmd.gpu_memory_gb,
-            max_model_len=cmd.max_model_len, tensor_parallel_size=cmd.tensor_parallel_size,
-            reason=cmd.reason or "placed",
-        )
+        spec = {name: getattr(cmd, name) for name in EngineSpec.model_fields}
+        start = StartInstance(**spec, instance_id=cmd.instance_id, alias=cmd.alias, backend_type=cmd.backend_type,
+                              worker_id=worker_id, reason=cmd.reason or "placed")
         command = Envelope.wrap(start, causation=envelope, id=derived_id(envelope.id, "start"))
         await publish(self.js, self.subjects.worker_commands(worker_id), command, self.telemetry)

@@ -150,17 +150,17 @@ class Worker:
                 f"{command.backend_type.value} does not support {action.value} (substitute: {alternative})",
             )
             return
+        execute: dict[type[InstanceCommand], Callable] = {
+            StartInstance: self._start,
+            WakeInstance: self._wake,
+            SleepInstance: self._sleep,
+            DrainInstance: self._drain,
+            DeleteInstance: self._delete,
+            ProbeInstance: self._probe,
+        }
         async with self._lock(command.instance_id):
-            handlers: dict[type, Callable] = {
-                StartInstance: self._start,
-                WakeInstance: self._wake,
-                SleepInstance: self._sleep,
-                DrainInstance: self._drain,
-                DeleteInstance: self._delete,
-                ProbeInstance: self._probe,
-            }
             try:
-                await handlers[type(command)](envelope, command)
+                await execute[type(command)](envelope, command)
             except IllegalTransition as exc:
                 await self._outcome(envelope, command, Outcome.REJECTED, str(exc))
 
@@ -337,6 +337,7 @@ def _action_of(envelope: Envelope) -> str:
 
 
 def _target_of(cmd: InstanceCommand) -> S:
-    return {
-        Action.START: S.STARTING, Action.WAKE: S.RUNNING, Action.DRAIN: S.DRAINING, Action.DELETE: S.DELETING,
-    }.get(cmd.ACTION, S.SLEEP_1 if not isinstance(cmd, SleepInstance) or cmd.level == 1 else S.SLEEP_2)
+    """The state a command asks for, to name it in a refusal."""
+    if isinstance(cmd, SleepInstance):
+        return S.SLEEP_1 if cmd.level == 1 else S.SLEEP_2
+    return {Action.START: S.STARTING, Action.DRAIN: S.DRAINING, Action.DELETE: S.DELETING}.get(cmd.ACTION, S.RUNNING)

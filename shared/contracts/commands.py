@@ -43,15 +43,20 @@ class InstanceCommand(Command):
         return check_worker_id(worker_id)
 
 
-class StartInstance(InstanceCommand):
-    TYPE = "StartInstance"
-    ACTION = Action.START
+class EngineSpec(Command):
+    """What to run for a new instance: the engine and the model, from the alias's backend config."""
+
     engine: EngineKind
     model_name: str
     model_path: str
     gpu_memory_gb: float = Field(ge=0)
     max_model_len: int | None = Field(default=None, ge=1)
     tensor_parallel_size: int = Field(default=1, ge=1)
+
+
+class StartInstance(InstanceCommand, EngineSpec):
+    TYPE = "StartInstance"
+    ACTION = Action.START
 
 
 class WakeInstance(InstanceCommand):
@@ -81,7 +86,7 @@ class ProbeInstance(InstanceCommand):
     ACTION = Action.STATUS
 
 
-class PlaceInstance(Command):
+class PlaceInstance(EngineSpec):
     """Ask placement for a worker for a new instance, then have it started there."""
 
     TYPE = "PlaceInstance"
@@ -89,12 +94,6 @@ class PlaceInstance(Command):
     instance_id: str = Field(min_length=1)
     alias: str = Field(min_length=1)
     backend_type: BackendType
-    engine: EngineKind
-    model_name: str
-    model_path: str
-    gpu_memory_gb: float = Field(ge=0)
-    max_model_len: int | None = Field(default=None, ge=1)
-    tensor_parallel_size: int = Field(default=1, ge=1)
     reason: str = ""
 
 
