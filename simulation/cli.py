@@ -14,7 +14,6 @@ import shlex
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
-from pathlib import Path
 
 from pydantic import ValidationError
 from tqdm import tqdm

@@ -27,7 +27,7 @@ import heapq
 import itertools
 import random
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 from simulation.prefix_cache import PrefixCache

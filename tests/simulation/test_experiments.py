@@ -237,3 +237,17 @@ def test_config_layers_defaults_file_env_arguments(tmp_path):
     assert cfg.system.B == 77 and cfg.system.M_total == 10_000
     assert cfg.data.experiments_dir == "from_env"
     assert cfg.control.preemption_mode.value == "sacrifice"
+
+
+def test_compare_victim_policies(small_config, tmp_path, capsys):
+    assert main(["compare", "--config", str(small_config), "--victims", "--mode", "sacrifice",
+                 "--strategy", "aggressive", "--quiet"]) == 0
+    out = only_dir(tmp_path / "exp")
+    table = rows(out / "comparison.csv")
+    assert [r["victim_policy"] for r in table] == ["lifo", "lru", "random"]
+    assert {(r["mode"], r["strategy"]) for r in table} == {("sacrifice", "aggressive")}
+    assert all(int(r["completed"]) == 250 for r in table)
+    # LIFO victims are the newest requests, which have the least progress to lose
+    by = {r["victim_policy"]: r for r in table}
+    assert int(by["lifo"]["wasted_tokens"]) < int(by["random"]["wasted_tokens"])
+    assert main(["compare", "--config", str(small_config), "--mode", "swap", "--quiet"]) == 2

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from simulation.config import load_config
-from simulation.core import PreemptionMode
 from simulation.fluid import FluidLimitSpec, FluidParams, run_fluid_limit, solve_fluid
 
 
