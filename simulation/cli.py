@@ -35,15 +35,22 @@ def _add_config_args(p: argparse.ArgumentParser, *, control: bool = True) -> Non
         p.add_argument("--victim-policy", choices=[v.value for v in VictimPolicy], default=None)
 
 
+def _length_dist(text: str) -> LengthDist:
+    try:
+        return LengthDist.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_workload_args(p: argparse.ArgumentParser, *, n: int | None, rate: float | None) -> None:
     p.add_argument("--n", type=int, default=n, help="number of requests")
     p.add_argument("--rate", type=float, default=rate, help="mean arrival rate (requests per time unit)")
     p.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma arrivals: coefficient of variation of the gaps (>1 burstier than Poisson)")
-    p.add_argument("--prefill", type=LengthDist.parse, default=LengthDist.parse("uniform:20:200"),
+    p.add_argument("--prefill", type=_length_dist, default=LengthDist.parse("uniform:20:200"),
                    help="prefill length: uniform:LO:HI | fixed:N | geometric:MEAN | lognormal:MEDIAN:SIGMA[:MAX]")
-    p.add_argument("--decode", type=LengthDist.parse, default=LengthDist.parse("uniform:10:100"),
+    p.add_argument("--decode", type=_length_dist, default=LengthDist.parse("uniform:10:100"),
                    help="decode length, same syntax")
 
 
