@@ -127,3 +127,18 @@ async def test_memory_pressure_preempts_but_every_token_arrives_once(mode: str) 
         assert metrics[KV] == 0
     finally:
         running.stop()
+
+
+def test_a_failing_decode_loop_fails_requests_instead_of_hanging() -> None:
+    running = start_engine()
+    try:
+        def broken_step(now: float):
+            raise RuntimeError("injected fault")
+
+        running.server.driver.system.step = broken_step  # type: ignore[method-assign]
+        first = chat(running.url, timeout=5)
+        assert first.status_code == 500 and "injected fault" in first.json()["error"]["message"]
+        second = chat(running.url, timeout=5)
+        assert second.status_code == 500 and "decode loop failed" in second.json()["error"]["message"]
+    finally:
+        running.stop()

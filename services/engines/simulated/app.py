@@ -49,6 +49,7 @@ from shared.openai_protocol import (
     ModelList,
     Usage,
     bad_request,
+    internal_error,
     new_id,
     not_found_model,
     now_s,
@@ -302,6 +303,18 @@ class EngineServer:
             stop_reason=reason, text_seed=text_seed, prefix_hashes=hashes,
         )
 
+    def _submit(self, gen: Generation) -> None:
+        try:
+            self.driver.submit(gen)
+        except ValueError as exc:  # more KV than the engine has: never servable
+            raise bad_request(str(exc), code="context_length_exceeded") from None
+        except RuntimeError as exc:
+            raise internal_error(f"simulated engine failure: {exc}") from None
+
+    def _raise_if_aborted(self, gen: Generation) -> None:
+        if gen.finish_reason == "abort":  # the client is still here, so the engine gave up on it
+            raise internal_error(f"simulated engine aborted the request: {self.driver.failure!r}")
+
     def usage(self, gen: Generation) -> Usage:
         cached = gen.cached_tokens if self.config.enable_prefix_caching else None
         return Usage.of(gen.prompt_tokens, gen.emitted, cached)
@@ -331,12 +344,13 @@ class EngineServer:
         self._check_model(req.model)
         tokens = synthetic.chat_pieces([(m.role, m.content) for m in req.messages])
         gen = self._generation(tokens, req.output_limit(), req.seed, _ignore_eos(req), "messages")
-        self.driver.submit(gen)
+        self._submit(gen)
         rid, created = new_id("chatcmpl"), now_s()
         if req.stream:
             frames = chat_frames(rid, created, req.model, self.engine)
             return TokenStream(self, gen, frames, req.include_usage_in_stream())
         await self._until_finished(request, gen)
+        self._raise_if_aborted(gen)
         body = ChatCompletionResponse(
             id=rid, created=created, model=req.model,
             choices=[ChatChoice(message=AssistantMessage(content=self.filler.text(gen.text_seed, gen.emitted)),
@@ -352,13 +366,14 @@ class EngineServer:
         prompt = req.prompt_text()
         tokens: list[str] | list[int] = synthetic.pieces(prompt) if isinstance(prompt, str) else list(prompt)
         gen = self._generation(tokens, req.output_limit(), req.seed, _ignore_eos(req), "prompt")
-        self.driver.submit(gen)
+        self._submit(gen)
         rid, created = new_id("cmpl"), now_s()
         echo = prompt if req.echo and isinstance(prompt, str) else None
         if req.stream:
             frames = completion_frames(rid, created, req.model, self.engine, echo)
             return TokenStream(self, gen, frames, req.include_usage_in_stream())
         await self._until_finished(request, gen)
+        self._raise_if_aborted(gen)
         text = (echo or "") + self.filler.text(gen.text_seed, gen.emitted)
         body = CompletionResponse(
             id=rid, created=created, model=req.model,

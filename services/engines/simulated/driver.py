@@ -17,12 +17,15 @@ benchmark knows the simulator has stopped keeping its own time.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from services.engines.simulated.config import EngineConfig
 from services.engines.simulated.metrics import EngineStats
 from simulation.core import DecodeSystem, PreemptionMode, SimRequest, Strategy, SystemParams
+
+log = logging.getLogger(__name__)
 
 # If the engine is this far behind its schedule (wall seconds), it stops trying
 # to catch up with back-to-back batches and restarts its schedule from now.
@@ -89,6 +92,7 @@ class RealTimeDriver:
         self._kick: asyncio.Event | None = None
         self._empty: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self.failure: BaseException | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -99,6 +103,16 @@ class RealTimeDriver:
         self._empty = asyncio.Event()
         self._empty.set()
         self._task = self._loop.create_task(self._run(), name="simulated-engine-driver")
+        self._task.add_done_callback(self._on_exit)
+
+    def _on_exit(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        # A bug in the loop must not leave streams hanging: fail them and refuse new work.
+        self.failure = task.exception()
+        log.error("decode loop failed; aborting %d requests", len(self.active), exc_info=self.failure)
+        for gen in list(self.active.values()):
+            self._finish(gen, "abort", self.sim_now())
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -143,7 +157,10 @@ class RealTimeDriver:
     # ------------------------------------------------------------ requests
 
     def submit(self, gen: Generation) -> None:
+        """Queue a request; ValueError if the decode system cannot ever hold it."""
         assert self._kick is not None and self._empty is not None, "driver not started"
+        if self.failure is not None:
+            raise RuntimeError(f"the decode loop failed: {self.failure!r}")
         gen.submitted_sim = self.sim_now()
         self.active[gen.request_id] = gen
         self._empty.clear()
