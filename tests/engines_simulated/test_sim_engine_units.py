@@ -29,6 +29,10 @@ def test_kv_capacity_follows_memory_and_must_hold_one_full_context() -> None:
     with pytest.raises(ValidationError):
         EngineConfig.resolve("vllm", env={}, kv_cache_tokens=1000, max_model_len=8000)
     with pytest.raises(ValidationError):
+        EngineConfig.resolve("vllm", env={}, max_model_len=262144)  # more than the KV pool holds
+    llama = EngineConfig.resolve("llama.cpp", env={}, max_model_len=32768)
+    assert llama.kv_tokens == 32768 * llama.max_num_seqs  # one context per slot
+    with pytest.raises(ValidationError):
         EngineConfig.resolve("vllm", env={"MODELPOOL_SIM_ENGINE_SPEEDUP": "0"})
 
 

@@ -75,9 +75,10 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
-        if self.kv_tokens < self.max_model_len // 4:
+        if self.kv_tokens < self.max_model_len:
+            # vLLM refuses to start in the same case: one full-length request must fit.
             raise ValueError(
-                f"KV capacity ({self.kv_tokens} tokens) is too small for max_model_len {self.max_model_len}"
+                f"KV capacity ({self.kv_tokens} tokens) is smaller than max_model_len {self.max_model_len}"
             )
         return self
 
@@ -97,6 +98,8 @@ class EngineConfig(BaseModel):
     def kv_tokens(self) -> int:
         if self.kv_cache_tokens is not None:
             return self.kv_cache_tokens
+        if self.profile == "llama.cpp":
+            return self.max_model_len * self.max_num_seqs  # llama-server: -c = per-slot context x slots
         return max(16, self.kv_pool_bytes // self.kv_bytes_per_token)
 
     # ------------------------------------------------------------------ layering
@@ -115,8 +118,7 @@ class EngineConfig(BaseModel):
             "d_1": 0.002,
             "max_num_batched_tokens": 2048,
             "max_num_seqs": 4,
-            "max_model_len": 4096,  # n_ctx per slot: 16384 shared by 4 slots
-            "kv_cache_tokens": 16384,
+            "max_model_len": 4096,  # context per slot; the KV cache holds one per slot
             "enable_prefix_caching": False,
             "preemption_mode": "sacrifice",
             "preemption_strategy": "conservative",
