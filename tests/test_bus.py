@@ -95,6 +95,7 @@ async def test_poison_messages_go_to_dead_letter_and_the_consumer_keeps_going(bu
         await eventually(lambda: consumer.stats.dead_lettered == 3)
 
     dead = await collect(bus, bus.subjects.dead_letter("worker-w1"), 3)
+    dead.sort(key=lambda m: int(m.headers[h.DLQ_SEQUENCE]))  # in the order they were sent
     reasons = [m.headers[h.DLQ_REASON] for m in dead]
     assert "unparseable" in reasons[0]
     assert "unknown message type 'LaunchMissiles'" in reasons[1]

@@ -82,15 +82,14 @@ async def ensure_streams(js: JetStreamContext, subjects: Subjects) -> None:
             await js.update_stream(config)
 
 
-def _headers(envelope: Envelope, telemetry: Telemetry, extra_headers: dict[str, str] | None) -> dict[str, str]:
-    headers = {
-        h.MSG_ID: str(envelope.id),
-        h.TYPE: envelope.type,
-        h.VERSION: str(envelope.version),
-        **(extra_headers or {}),
-    }
-    if envelope.position is not None:
-        headers[h.POSITION] = str(envelope.position)
+def message_headers(
+    message_id: str, type_name: str, version: int, position: int | None, telemetry: Telemetry,
+    extra_headers: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The headers every modelpool message carries (see docs/bus.md)."""
+    headers = {h.MSG_ID: message_id, h.TYPE: type_name, h.VERSION: str(version), **(extra_headers or {})}
+    if position is not None:
+        headers[h.POSITION] = str(position)
     if not any(k.lower() == "traceparent" for k in headers):
         telemetry.inject(headers)
     return headers
@@ -105,23 +104,15 @@ async def publish(
     extra_headers: dict[str, str] | None = None,
 ) -> bool:
     """Publish an envelope; JetStream drops a repeat of the same id. Returns False for a duplicate."""
-    headers = _headers(envelope, telemetry, extra_headers)
+    headers = message_headers(str(envelope.id), envelope.type, envelope.version, envelope.position, telemetry, extra_headers)
     ack = await js.publish(subject, envelope.model_dump_json().encode(), headers=headers)
     return not ack.duplicate
 
 
-async def publish_in_order(
-    js: JetStreamContext,
-    messages: list[tuple[str, Envelope, dict[str, str]]],
-    telemetry: Telemetry,
-) -> None:
-    """Publish several envelopes pipelined: sent in order on one connection, so stored
-    in order, then wait for every acknowledgement. Raises if any was not stored."""
-    acks = [
-        await js.publish_async(subject, envelope.model_dump_json().encode(),
-                               headers=_headers(envelope, telemetry, extra))
-        for subject, envelope, extra in messages
-    ]
+async def publish_in_order(js: JetStreamContext, messages: list[tuple[str, bytes, dict[str, str]]]) -> None:
+    """Publish (subject, body, headers) messages pipelined: sent in order on one connection,
+    so stored in order, then wait for every acknowledgement. Raises if any was not stored."""
+    acks = [await js.publish_async(subject, body, headers=headers) for subject, body, headers in messages]
     await asyncio.gather(*acks)
 
 

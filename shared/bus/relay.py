@@ -16,7 +16,7 @@ import logging
 import asyncpg
 from nats.js import JetStreamContext
 
-from shared.bus.jetstream import publish_in_order
+from shared.bus.jetstream import message_headers, publish_in_order
 from shared.bus.subjects import Subjects
 from shared.eventlog.store import EventStore
 from shared.telemetry import Telemetry
@@ -66,6 +66,9 @@ class Relay:
     async def run(self, stop: asyncio.Event) -> None:
         conn = await asyncpg.connect(self.listen_dsn, server_settings={"search_path": self.schema})
         try:
+            # Losing the last position update in a crash only means publishing a
+            # tail again, which JetStream de-duplicates: no need to wait for the disk.
+            await conn.execute("SET synchronous_commit = off")
             # LISTEN before reading the position, so no commit can slip between the two unseen.
             await conn.add_listener(self.store.notify_channel, lambda *_: self._wake.set())
             self.position = await self._load_position(conn)
@@ -87,14 +90,21 @@ class Relay:
 
     async def relay_once(self, conn: asyncpg.Connection) -> int:
         """Publish the next batch of committed events; return how many."""
-        batch = await self.store.read_after_with_headers(self.position, self.batch)
+        batch = await self.store.read_outbox(self.position, self.batch)
+        if not batch:
+            return 0
         await publish_in_order(
             self.js,
-            [(self.subjects.event(envelope.stream_id or "", envelope.type), envelope, headers) for envelope, headers in batch],
-            self.telemetry,
+            [
+                (
+                    self.subjects.event(e.stream_id, e.type),
+                    e.body,
+                    message_headers(e.id, e.type, e.version, e.position, self.telemetry, e.headers),
+                )
+                for e in batch
+            ],
         )
-        if batch:
-            self.position = batch[-1][0].position or self.position
-            await self._save_position(conn, self.position)
-            self.published += len(batch)
+        self.position = batch[-1].position
+        await self._save_position(conn, self.position)
+        self.published += len(batch)
         return len(batch)

@@ -56,6 +56,19 @@ class RawEvent:
     occurred_at: datetime
 
 
+@dataclass(frozen=True, slots=True)
+class OutboxEvent:
+    """A committed event as the relay publishes it."""
+
+    position: int
+    id: str
+    stream_id: str
+    type: str
+    version: int
+    headers: dict[str, str]
+    body: bytes
+
+
 _COLUMNS = "position, id, stream_id, stream_version, type, version, occurred_at, causation_id, correlation_id, payload"
 
 
@@ -268,13 +281,21 @@ class EventStore:
             result = await conn.execute(text("SELECT coalesce(max(position), 0) FROM events"))
             return int(result.scalar_one())
 
-    async def read_after_with_headers(self, position: int, limit: int = 1000) -> list[tuple[Envelope, dict[str, str]]]:
+    async def read_outbox(self, position: int, limit: int = 1000) -> list[OutboxEvent]:
+        """Committed events after `position`, ready to publish: the envelope JSON is built
+        by Postgres, so the relay moves bytes without decoding and re-encoding them."""
         async with self.engine.connect() as conn:
-            result = await conn.execute(
-                text(f"SELECT {_COLUMNS}, headers FROM events WHERE position > :p ORDER BY position LIMIT :n"),
-                {"p": position, "n": limit},
+            raw = (await conn.get_raw_connection()).driver_connection
+            rows = await raw.fetch(
+                "SELECT position, id::text, stream_id, type, version, headers::text,"
+                " json_build_object('id', id, 'type', type, 'version', version, 'occurred_at', occurred_at,"
+                "   'causation_id', causation_id, 'correlation_id', correlation_id, 'payload', payload,"
+                "   'stream_id', stream_id, 'stream_version', stream_version, 'position', position)::text"
+                " FROM events WHERE position > $1 ORDER BY position LIMIT $2",
+                position,
+                limit,
             )
-            return [(_envelope(row), dict(row.headers or {})) for row in result]
+        return [OutboxEvent(r[0], r[1], r[2], r[3], r[4], orjson.loads(r[5]), r[6].encode()) for r in rows]
 
     async def history(
         self, alias: str, *, since: datetime | None = None, until: datetime | None = None
