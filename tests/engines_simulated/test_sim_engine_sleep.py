@@ -111,3 +111,14 @@ def test_vllm_port_opens_only_after_the_cold_start() -> None:
             pytest.fail("engine never became healthy")
     finally:
         running.stop()
+
+
+def test_a_second_sleep_is_ignored_like_vllm(sleepy) -> None:
+    assert httpx.post(f"{sleepy.url}/sleep?level=1").status_code == 200
+    assert httpx.post(f"{sleepy.url}/sleep?level=2").status_code == 200
+    status = sleepy.status()
+    assert status["sleep_level"] == 1  # still level 1: the weights stay in CPU memory
+    assert status["memory"]["cpu_bytes"] == int(sleepy.config.weights_gib * GIB)
+    assert httpx.post(f"{sleepy.url}/wake_up", timeout=10).status_code == 200
+    assert httpx.post(f"{sleepy.url}/sleep?level=2").status_code == 200
+    assert sleepy.status()["sleep_level"] == 2

@@ -445,6 +445,10 @@ class EngineServer:
             raise bad_request(f"sleep level must be 1 or 2, got {level}", param="level")
         async with self._lifecycle_lock:
             if not self._transition(self.lifecycle.begin_sleep, level):
+                # vLLM's executor ignores a sleep call while asleep ("already sleeping"), whatever
+                # the level: going from level 1 to level 2 takes a wake-up first.
+                log.warning("%s is already sleeping at level %d; sleep(level=%d) ignored",
+                            self.engine, self.lifecycle.level, level)
                 return Response(status_code=200)
             await self.driver.drained()
             await asyncio.sleep(self.lifecycle.sleep_delay() / self.config.speedup)
