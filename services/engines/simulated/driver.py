@@ -9,9 +9,9 @@ no per-token tasks; streams render and write their own bytes.
 
 Deadlines are kept on the schedule rather than on the actual wake-up time, so
 the time spent delivering a batch is absorbed by the next batch's sleep. If
-delivery takes longer than a batch, the engine falls behind and
-`EngineStats.actual_wall_s` grows past `scheduled_wall_s`: that gap is how the
-benchmark knows the simulator has stopped keeping its own time.
+delivery takes longer than a batch, the engine falls behind: the scheduled
+batch time (`EngineStats.scheduled_wall_s`) then advances slower than the wall
+clock, which is how the benchmark sees the simulator stop keeping its own time.
 """
 
 from __future__ import annotations
