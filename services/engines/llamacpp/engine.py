@@ -173,7 +173,7 @@ class LlamaEngine:
 
     def status(self) -> dict[str, float | int]:
         if self._scheduler is None:
-            return {"running": 0, "waiting": 0, "kv_usage_ratio": 0.0, "kv_tokens": 0, "free_seq_ids": 0}
+            return {"running": 0, "waiting": 0, "kv_usage_ratio": 0.0, "kv_tokens": 0, "free_seq_ids": 0, "queued": 0}
         with self._lock:
             s = self._scheduler
             return {
