@@ -75,7 +75,8 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
     js = nc.jetstream()
     subjects = Subjects(settings.namespace)
     await ensure_streams(js, subjects)
-    broker = NatsBroker(settings.nats_url, logger=logging.getLogger(f"modelpool.{name}.bus"))
+    # Per-message lines at DEBUG: a busy service would otherwise log every message it handles.
+    broker = NatsBroker(settings.nats_url, logger=logging.getLogger(f"modelpool.{name}.bus"), log_level=logging.DEBUG)
     stack.push_async_callback(broker.stop)
     return ServiceContext(
         name=name,
