@@ -181,3 +181,18 @@ async def test_a_request_flows_from_placement_to_a_worker_engine_and_through_the
     assert set(codes.values()) == {0}, {s.command: s.output()[-1500:] for s in services}
     worker_events = [e.type for e in await store.read_stream("worker:w1")]
     assert worker_events == ["WorkerRegistered", "WorkerDeregistered"]
+
+
+def test_a_bad_pool_configuration_stops_the_autoscaler_naming_field_and_file(tmp_path, settings):
+    import subprocess
+    import sys
+
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("aliases:\n  - alias: tiny\n    routing_state: COLD\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "autoscaler"],
+        env={**service_env(settings, MODELPOOL_CONFIG=str(pool)), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert f"aliases[0].backends in {pool}: required field is missing" in result.stderr
