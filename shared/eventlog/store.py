@@ -7,6 +7,7 @@ connection underneath for speed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
@@ -318,47 +319,50 @@ class EventStore:
     ) -> AsyncIterator[list[RawEvent]]:
         """Stream events in position order as upcast dicts, in batches, for projections.
 
-        Keyset pagination on the position index keeps each query short and memory
-        flat over logs of any size. The next batch is fetched while the caller
-        works on the current one, so Postgres and Python run side by side.
-        `types` limits the read to the event types the caller folds.
+        One server-side cursor walks the position index once, so the cost stays
+        linear in the events read, whatever the planner's statistics say, and
+        memory stays flat. The next batch is fetched while the caller works on
+        the current one, so Postgres and Python run side by side. `types` limits
+        the read to the event types the caller folds.
         """
         registry = self.registry
-        type_filter = sorted(types) if types is not None else None
+        latest: dict[str, int] = {}
+        query = "SELECT position, type, version, payload::text, occurred_at FROM events WHERE position > $1"
+        args: list[Any] = [after]
+        if upto is not None:
+            args.append(upto)
+            query += f" AND position <= ${len(args)}"
+        if types is not None:
+            args.append(sorted(types))
+            query += f" AND type = ANY(${len(args)}::text[])"
+        query += " ORDER BY position"
         async with self.engine.connect() as conn:
             raw = (await conn.get_raw_connection()).driver_connection
-            statement = await raw.prepare(
-                "SELECT position, type, version, payload::text, occurred_at FROM events"
-                " WHERE position > $1 AND position <= $2 AND ($3::text[] IS NULL OR type = ANY($3))"
-                " ORDER BY position LIMIT $4"
-            )
-            ceiling = upto if upto is not None else 2**63 - 1
-
-            async def fetch(cursor: int) -> list[Any]:
-                return await statement.fetch(cursor, ceiling, type_filter, batch) if cursor < ceiling else []
-
-            latest: dict[str, int] = {}
-            rows = await fetch(after)
-            while rows:
-                upcoming = asyncio.ensure_future(fetch(rows[-1][0]))
-                out: list[RawEvent] = []
-                try:
-                    for position, type_name, version, payload_text, occurred_at in rows:
-                        current = latest.get(type_name)
-                        if current is None:
-                            if not registry.known(type_name):
-                                # Written by a newer release: projections skip it rather than guess.
-                                continue
-                            current = latest[type_name] = registry.contract(type_name).VERSION
-                        payload = orjson.loads(payload_text)
-                        if version != current:
-                            _, payload = registry.upcast(type_name, version, payload)
-                        out.append(RawEvent(position, type_name, payload, occurred_at))
-                    yield out
-                except BaseException:
-                    upcoming.cancel()
-                    raise
-                rows = await upcoming
+            async with raw.transaction(readonly=True):
+                cursor = await raw.cursor(query, *args)
+                rows = await cursor.fetch(batch)
+                while rows:
+                    upcoming = asyncio.ensure_future(cursor.fetch(batch))
+                    out: list[RawEvent] = []
+                    try:
+                        for position, type_name, version, payload_text, occurred_at in rows:
+                            current = latest.get(type_name)
+                            if current is None:
+                                if not registry.known(type_name):
+                                    # Written by a newer release: projections skip it rather than guess.
+                                    continue
+                                current = latest[type_name] = registry.contract(type_name).VERSION
+                            payload = orjson.loads(payload_text)
+                            if version != current:
+                                _, payload = registry.upcast(type_name, version, payload)
+                            out.append(RawEvent(position, type_name, payload, occurred_at))
+                        yield out
+                    except BaseException:
+                        upcoming.cancel()
+                        with contextlib.suppress(BaseException):
+                            await upcoming
+                        raise
+                    rows = await upcoming
 
 
 def _envelope(row: Any) -> Envelope:

@@ -8,7 +8,7 @@ events at or below that position are recognised as already applied.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -134,12 +134,16 @@ class Projector:
 async def rebuild(store: EventStore, projections: Sequence[Projection] = ALL_PROJECTIONS, upto: int | None = None) -> tuple[dict[str, Rows], int, int]:
     """Fold the log (up to `upto`) into fresh rows in memory: (rows per projection, last position, events read)."""
     rows: dict[str, Rows] = {p.name: {} for p in projections}
-    handled = {t: [p for p in projections if t in p.reducers] for p in projections for t in p.reducers}
+    # event type -> the (rows, reducer) pairs that fold it, resolved once for the hot loop
+    folds: dict[str, list[tuple[Rows, Callable[[Rows, RawEvent], Iterable[str]]]]] = {}
+    for p in projections:
+        for type_name, reducer in p.reducers.items():
+            folds.setdefault(type_name, []).append((rows[p.name], reducer))
     last, count = 0, 0
-    async for events in store.iter_raw(0, upto, types=handled.keys()):
+    async for events in store.iter_raw(0, upto, types=folds.keys()):
         for event in events:
-            for p in handled.get(event.type, ()):
-                p.apply(rows[p.name], event)
+            for target, reducer in folds[event.type]:
+                reducer(target, event)
         count += len(events)
         if events:
             last = events[-1].position
