@@ -4,8 +4,9 @@ All three run in this one invocation, on the same model and thread count:
 
 - stock: `python -m llama_cpp.server --interrupt_requests False` (llama-cpp-python's
   server, told to queue concurrent requests instead of aborting the running stream);
-- limit: a bare loop of batched `llama_decode` calls with N sequences, no HTTP,
-  no scheduling: the most any engine on this library reaches on this machine;
+- limit: a bare loop of batched `llama_decode` calls with N sequences (one token
+  each, greedy argmax, no HTTP, no scheduling; prefill untimed): the most any
+  engine on this library reaches on this machine;
 - ours: `modelpool engine llama.cpp` over HTTP.
 
 Each level c in --concurrency runs c client streams, each sending --rounds
@@ -71,7 +72,7 @@ def messages(i: int) -> list[dict[str, str]]:
 
 
 class BareDecodeLimit:
-    """Aggregate tokens/s of a bare loop: one batched prefill, then max_tokens batched decode steps."""
+    """The most any engine on this library reaches here: a bare loop of batched llama_decode steps."""
 
     def __init__(self, model: Path, threads: int, n_seq_max: int, n_ctx: int) -> None:
         from services.engines.llamacpp.chat_template import ChatTemplate
@@ -81,14 +82,19 @@ class BareDecodeLimit:
         self.prompts = [self.backend.tokenize(tmpl.render(messages(i)), add_special=True) for i in range(n_seq_max)]
 
     def measure(self, n: int, max_tokens: int, rounds: int) -> float:
+        """Decode-only tokens/s: prompts are prefilled untimed, then max_tokens steps of N tokens are timed.
+
+        Prefill is left out on purpose: a server that reuses cached prompt prefixes pays
+        less of it, so only the decode steps bound every engine on this library.
+        """
         backend = self.backend
         tokens = 0
-        t0 = time.perf_counter()
+        elapsed = 0.0
         for r in range(rounds):
             prompts = [self.prompts[(s + r * n) % len(self.prompts)] for s in range(n)]
             for s in range(n):
                 backend.seq_rm(s, 0)
-            nxt = []
+            nxt: list[int] = []
             group: list[SeqWork] = []
             for s in range(n + 1):  # whole prompts, as many per call as the 512-token batch holds
                 if s == n or sum(len(w.tokens) for w in group) + len(prompts[s]) > 512:
@@ -98,13 +104,15 @@ class BareDecodeLimit:
                 if s < n:
                     group.append(SeqWork(s, s, prompts[s], 0, True, "prefill"))
             pos = [len(p) for p in prompts]
-            for _step in range(max_tokens - 1):
+            t0 = time.perf_counter()
+            for _step in range(max_tokens):
                 out = backend.decode([SeqWork(s, s, [nxt[s]], pos[s], True, "decode") for s in range(n)])
                 for s in range(n):
                     nxt[s] = int(backend.logits(out[s]).argmax())
                     pos[s] += 1
+            elapsed += time.perf_counter() - t0
             tokens += n * max_tokens
-        return tokens / (time.perf_counter() - t0)
+        return tokens / elapsed
 
     def close(self) -> None:
         self.backend.close()
