@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import pytest
@@ -75,6 +76,8 @@ async def test_lifecycle_over_the_engine_http_api(worker, store):
         await worker.handle(Envelope.wrap(cmd), cmd)
     async with httpx.AsyncClient() as client:
         assert (await client.get(f"{endpoint}/is_sleeping")).json() == {"is_sleeping": True}
+        metrics = (await client.get(f"{endpoint}/metrics")).text
+        assert re.search(r'vllm:engine_sleep_state\{[^}]*sleep_state="discard_all"\} 1', metrics), "not at level 2"
         wake = WakeInstance(instance_id="v1", alias="qwen3-vl-2b", backend_type=V, worker_id="w1")
         await worker.handle(Envelope.wrap(wake), wake)
         assert (await client.get(f"{endpoint}/is_sleeping")).json() == {"is_sleeping": False}

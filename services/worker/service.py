@@ -199,7 +199,16 @@ class Worker:
         inst = self._known(cmd)
         target = S.SLEEP_1 if cmd.level == 1 else S.SLEEP_2
         check_instance_transition(inst.backend_type, inst.state, target)
-        await self._engine_call(envelope, cmd, inst, lambda p: p.sleep(cmd.level), target, cmd.level)
+        asleep = inst.state in (S.SLEEP_1, S.SLEEP_2)
+
+        async def change_level(process: EngineProcess) -> None:
+            if asleep:
+                # vLLM ignores /sleep while asleep ("already sleeping"): a change of
+                # level goes through a wake.
+                await process.wake()
+            await process.sleep(cmd.level)
+
+        await self._engine_call(envelope, cmd, inst, change_level, target, cmd.level)
 
     async def _engine_call(self, envelope, cmd, inst: Instance, call, target: S, sleep_level: int) -> None:
         if inst.process is None or not inst.process.alive:
