@@ -145,6 +145,34 @@ async def test_concurrent_appends_of_one_writer_are_each_checked_on_their_own(st
     assert await store.stream_version("worker:w3") == 0
 
 
+async def test_a_retry_racing_its_original_in_one_group_is_stored_once(store: EventStore):
+    event = worker_event("w1")
+    results = await asyncio.gather(
+        store.append("worker:w1", [event]),
+        store.append("worker:w1", [event]),
+        store.append("worker:w2", [worker_event("w2")]),
+    )
+    assert results[0][0].position == results[1][0].position
+    assert len(await store.read_stream("worker:w1")) == 1 and len(await store.read_stream("worker:w2")) == 1
+
+
+async def test_one_bad_append_fails_alone(store: EventStore):
+    """Postgres refuses NUL in JSON text: that caller gets the error, the others are written."""
+    bad = session_event("s\u0000", "i1")
+    good = worker_event("w1")
+    results = await asyncio.gather(store.append(bad.stream_id, [bad]), store.append("worker:w1", [good]),
+                                   return_exceptions=True)
+    assert isinstance(results[0], DBAPIError) and isinstance(results[1], list)
+    assert [e.id for e in await store.read_stream("worker:w1")] == [good.id]
+
+
+async def test_append_refuses_what_the_contracts_would_refuse_on_read(store: EventStore):
+    broken = worker_event("w1").model_copy(update={"payload": {"worker_id": "w1"}})
+    with pytest.raises(Exception, match="host"):
+        await store.append("worker:w1", [broken])
+    assert await store.head_position() == 0
+
+
 async def test_history_and_stream_of_alias(store: EventStore):
     await store.append("session:s1", [session_event("s1", "i1")])
     await store.append("worker:w1", [worker_event("w1")])

@@ -116,12 +116,15 @@ class EventStore:
         all_events = [e for a in appends for e in a.events]
         if not all_events:
             return []
+        streams = [a.stream_id for a in appends]
+        if len(set(streams)) != len(streams):
+            raise ValueError("one append names a stream twice; put its events in one Append")
         for a in appends:
             for e in a.events:
-                if not self.registry.known(e.type):
-                    raise ValueError(f"cannot append unknown event type {e.type!r}")
                 if e.stream_id not in (None, a.stream_id):
                     raise ValueError(f"event {e.type} belongs to stream {e.stream_id!r}, not {a.stream_id!r}")
+                # Nothing enters the log that the contracts would refuse on read.
+                self.registry.decode(e)
         ids = [e.id for e in all_events]
         if len(set(ids)) != len(ids):
             raise DuplicateEventError("the same event id appears twice in one append")
@@ -137,26 +140,40 @@ class EventStore:
         Writers are serialised by the table lock anyway (see `_commit_group`), so
         a transaction per append would spend its time waiting for the lock and the
         commit's disk flush. One transaction carries all appends that queued up
-        meanwhile; each is still checked, and accepted or refused, on its own.
+        meanwhile; each is still checked, and accepted or refused, on its own. If
+        the database refuses the group as a whole (a payload Postgres cannot store,
+        or a retry racing its original so one event id comes twice), each append is
+        retried alone: one caller's problem never fails another's, and the retry
+        finds its original stored.
         """
-        while self._queue:
-            group, self._queue = self._queue[: self.max_group], self._queue[self.max_group :]
-            try:
-                results = await self._commit_group(group)
-            except BaseException as exc:
-                for request in group:
-                    if not request.done.done():
-                        request.done.set_exception(exc if isinstance(exc, Exception) else RuntimeError("append cancelled"))
-                if not isinstance(exc, Exception):
-                    raise
-                continue
-            for request, result in zip(group, results):
-                if request.done.done():
-                    continue
-                if isinstance(result, Exception):
-                    request.done.set_exception(result)
-                else:
-                    request.done.set_result(result)
+        try:
+            while self._queue:
+                group, self._queue = self._queue[: self.max_group], self._queue[self.max_group :]
+                try:
+                    results = await self._commit_group(group)
+                except Exception as exc:
+                    if len(group) == 1:
+                        results = [exc]
+                    else:
+                        results = []
+                        for request in group:
+                            try:
+                                results += await self._commit_group([request])
+                            except Exception as alone:
+                                results.append(alone)
+                for request, result in zip(group, results):
+                    if request.done.done():
+                        continue
+                    if isinstance(result, Exception):
+                        request.done.set_exception(result)
+                    else:
+                        request.done.set_result(result)
+        finally:
+            # Cancelled mid-way (the loop is shutting down): nobody may wait forever.
+            for request in self._queue:
+                if not request.done.done():
+                    request.done.set_exception(RuntimeError("the event store stopped before this append was committed"))
+            self._queue = []
 
     async def _commit_group(self, group: list[_Request]) -> list[list[Envelope] | Exception]:
         ids = [e.id for r in group for a in r.appends for e in a.events]
