@@ -55,6 +55,9 @@ class ServiceContext:
             consumer.subscribe(self.broker)
         await self.broker.start()
         await self.stop.wait()
+        # Stop taking messages before the service's own shutdown, so nothing new
+        # starts while it is releasing what it holds.
+        await self.broker.stop()
 
     async def record(self, *events: Envelope, expected_version: int = -1) -> list[Envelope]:
         """Append events of one stream to the log, carrying the current trace context."""

@@ -67,6 +67,22 @@ async def test_the_same_command_delivered_twice_has_one_effect(worker, store, bu
     assert models["data"][0]["id"] == "qwen3-vl-2b"
 
 
+async def test_two_copies_of_a_command_handled_at_once_have_one_effect(worker, store, monkeypatch):
+    """A redelivery can overlap the first delivery (ack wait expired, batch handled concurrently)."""
+    contains = store.contains
+
+    async def slow_contains(event_id):  # widen the window between the check and the effect
+        await asyncio.sleep(0.05)
+        return await contains(event_id)
+
+    monkeypatch.setattr(store, "contains", slow_contains)
+    command = Envelope.wrap(start("v1"))
+    await asyncio.gather(worker.handle(command, start("v1")), worker.handle(command, start("v1")))
+    await eventually(lambda: outcomes(store, "v1"), timeout=30)
+    assert await states(store, "v1") == ["STARTING", "RUNNING"]
+    assert await outcomes(store, "v1") == [("start", "ok")]
+
+
 async def test_lifecycle_over_the_engine_http_api(worker, store):
     await worker.handle(Envelope.wrap(start("v1")), start("v1"))
     await eventually(lambda: worker.instances["v1"].state.value == "RUNNING", timeout=30)

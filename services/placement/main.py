@@ -26,6 +26,7 @@ async def serve(ctx: ServiceContext) -> None:
         registry=ctx.commands,
         handler=on_request,
         telemetry=ctx.telemetry,
+        batch=1,  # one decision at a time, each on the view the previous one left
     ))
 
 

@@ -9,6 +9,7 @@ same command, which JetStream and the worker both recognise as a repeat.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable
 
@@ -61,6 +62,7 @@ class Placement:
         self.telemetry = telemetry
         self.rows: dict[str, Rows] = {WORKERS.name: {}, PLACEMENTS.name: {}}
         self.position = 0
+        self._lock = asyncio.Lock()
 
     async def refresh(self) -> None:
         async for events in self.store.iter_raw(self.position):
@@ -85,20 +87,23 @@ class Placement:
         ]
 
     async def handle(self, envelope: Envelope, cmd: PlaceInstance) -> None:
-        decided = await self.store.get(derived_id(envelope.id, "decided"))
-        if decided is not None:
-            await self._send_start(envelope, cmd, decided.payload["worker_id"])
-            return
-        if await self.store.contains(derived_id(envelope.id, "failed")):
-            return
-        await self.refresh()
-        request = Request(cmd.alias, cmd.backend_type, cmd.engine, cmd.gpu_memory_gb)
-        decision = place(request, self.workers())
-        await self._record(envelope, cmd, decision)
-        if decision.worker_id is not None:
-            await self._send_start(envelope, cmd, decision.worker_id)
+        # One decision at a time: each is made on the view the previous one left,
+        # so two requests can never both take the last free memory of a worker.
+        async with self._lock:
+            decided = await self.store.get(derived_id(envelope.id, "decided"))
+            if decided is None:
+                if await self.store.contains(derived_id(envelope.id, "failed")):
+                    return
+                await self.refresh()
+                request = Request(cmd.alias, cmd.backend_type, cmd.engine, cmd.gpu_memory_gb)
+                # What was stored wins: a copy of this request handled elsewhere first
+                # may have chosen another worker.
+                decided = await self._record(envelope, cmd, place(request, self.workers()))
+            if decided is not None:
+                await self._send_start(envelope, cmd, decided.payload["worker_id"])
 
-    async def _record(self, envelope: Envelope, cmd: PlaceInstance, decision: Decision) -> None:
+    async def _record(self, envelope: Envelope, cmd: PlaceInstance, decision: Decision) -> Envelope | None:
+        """Record the decision; return the stored PlacementDecided, or None if placement failed."""
         common = dict(request_id=cmd.request_id, alias=cmd.alias, backend_type=cmd.backend_type, instance_id=cmd.instance_id)
         requested = Envelope.wrap(PlacementRequested(**common, gpu_memory_gb=cmd.gpu_memory_gb, reason=cmd.reason),
                                   causation=envelope, id=derived_id(envelope.id, "requested"))
@@ -113,8 +118,9 @@ class Placement:
                                  fallback_level=decision.fallback_level or 3, candidates=candidates),
                 causation=envelope, id=derived_id(envelope.id, "decided"),
             )
-        await self.store.append(f"placement:{cmd.request_id}", [requested, outcome], 0,
-                                headers=self.telemetry.current_headers())
+        stored = await self.store.append(f"placement:{cmd.request_id}", [requested, outcome], 0,
+                                         headers=self.telemetry.current_headers())
+        return stored[1] if stored[1].type == PlacementDecided.TYPE else None
 
     async def _send_start(self, envelope: Envelope, cmd: PlaceInstance, worker_id: str) -> None:
         spec = {name: getattr(cmd, name) for name in EngineSpec.model_fields}

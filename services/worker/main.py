@@ -61,6 +61,8 @@ async def serve(ctx: ServiceContext) -> None:
         registry=ctx.commands,
         handler=on_command,
         telemetry=ctx.telemetry,
+        # One at a time, in the order sent: a drain then a delete must not swap places.
+        batch=1,
     )
 
     async def report_load() -> None:

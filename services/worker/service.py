@@ -39,7 +39,12 @@ from shared.contracts.events import (
     WorkerRegistered,
 )
 from shared.contracts.messages import Envelope, Event, derived_id
-from shared.contracts.states import IllegalTransition, InstanceState as S, check_instance_transition
+from shared.contracts.states import (
+    IllegalTransition,
+    InstanceState as S,
+    check_instance_transition,
+    instance_transition_allowed,
+)
 from shared.eventlog.store import EventStore
 from shared.projections.projector import rebuild
 from shared.projections.readmodels import INSTANCES
@@ -104,7 +109,7 @@ class Worker:
 
         Engines die with their worker (see `engines.py`), so nothing is adopted;
         each such instance is moved, by legal transitions only, to where the facts are:
-        ERROR if it was starting or serving, ABSENT if it was already on its way out.
+        ERROR if it was starting or serving, ABSENT if it was asleep or on its way out.
         """
         rows, _, _ = await rebuild(self.store, [INSTANCES])
         for row in rows[INSTANCES.name].values():
@@ -113,14 +118,8 @@ class Worker:
             inst = Instance(row["instance_id"], row["alias"], BackendType(row["backend_type"]),
                             EngineKind(row["engine"]), S(row["state"]), sleep_level=row["sleep_level"])
             self.instances[inst.instance_id] = inst
-            reason = "worker restarted: its engine process is gone"
-            if inst.state in (S.STARTING, S.RUNNING):
-                await self._transition(inst, S.ERROR, reason, None)
-            elif inst.state in (S.SLEEP_1, S.SLEEP_2, S.DRAINING, S.DELETING):
-                if inst.state is not S.DELETING:
-                    await self._transition(inst, S.DELETING, reason, None)
-                await self._transition(inst, S.ABSENT, reason, None)
-                self.instances.pop(inst.instance_id, None)
+            if inst.state is not S.ERROR:
+                await self._engine_gone(inst, None)
 
     async def shutdown(self, reason: str = "worker stopped") -> None:
         for task in list(self._tasks):
@@ -134,15 +133,10 @@ class Worker:
     # ------------------------------------------------------------------ commands
 
     async def handle(self, envelope: Envelope, command: InstanceCommand) -> None:
-        accepted_id = derived_id(envelope.id, "accepted")
-        outcome_id = derived_id(envelope.id, "outcome")
-        if await self.store.contains(accepted_id) or await self.store.contains(outcome_id):
-            log.info("command %s (%s) already handled; ignoring the redelivery", envelope.id, command.TYPE)
-            return
-        action = command.ACTION
         if command.worker_id != self.worker_id:
             await self._outcome(envelope, command, Outcome.REJECTED, f"addressed to worker {command.worker_id}")
             return
+        action = command.ACTION
         if not supports(command.backend_type, action):
             alternative = "+".join(a.value for a in substitute(command.backend_type, action)) or "none"
             await self._outcome(
@@ -158,11 +152,22 @@ class Worker:
             DeleteInstance: self._delete,
             ProbeInstance: self._probe,
         }
+        # Under the instance's lock, so a copy of this command delivered at the same
+        # time waits here and then finds the first one's marker in the log.
         async with self._lock(command.instance_id):
+            if await self._handled(envelope):
+                log.info("command %s (%s) already handled; ignoring the redelivery", envelope.id, command.TYPE)
+                return
             try:
                 await execute[type(command)](envelope, command)
             except IllegalTransition as exc:
                 await self._outcome(envelope, command, Outcome.REJECTED, str(exc))
+
+    async def _handled(self, envelope: Envelope) -> bool:
+        for marker in ("accepted", "outcome"):
+            if await self.store.contains(derived_id(envelope.id, marker)):
+                return True
+        return False
 
     async def _start(self, envelope: Envelope, cmd: StartInstance) -> None:
         inst = self.instances.get(cmd.instance_id)
@@ -212,8 +217,7 @@ class Worker:
 
     async def _engine_call(self, envelope, cmd, inst: Instance, call, target: S, sleep_level: int) -> None:
         if inst.process is None or not inst.process.alive:
-            await self._transition(inst, S.ERROR, "engine process is gone", envelope,
-                                   outcome=(Outcome.FAILED, "engine process is gone"))
+            await self._engine_gone(inst, envelope)
             return
         try:
             await call(inst.process)
@@ -223,6 +227,19 @@ class Worker:
         inst.sleep_level = sleep_level
         await self._transition(inst, target, cmd.reason or f"{cmd.ACTION.value} requested", envelope,
                                outcome=(Outcome.OK, ""))
+
+    async def _engine_gone(self, inst: Instance, cause: Envelope | None) -> None:
+        """Record that an instance's engine process is gone, by legal transitions only:
+        ERROR where the lifecycle allows it, else straight on to ABSENT."""
+        reason = "engine process is gone"
+        failed = (Outcome.FAILED, reason)
+        if instance_transition_allowed(inst.backend_type, inst.state, S.ERROR):
+            await self._transition(inst, S.ERROR, reason, cause, outcome=failed)
+            return
+        if inst.state is not S.DELETING:
+            await self._transition(inst, S.DELETING, reason, cause)
+        await self._transition(inst, S.ABSENT, reason, cause, outcome=failed)
+        self.instances.pop(inst.instance_id, None)
 
     async def _drain(self, envelope: Envelope, cmd: DrainInstance) -> None:
         inst = self._known(cmd)
@@ -313,6 +330,7 @@ class Worker:
         outcome: tuple[Outcome, str] | None = None,
     ) -> None:
         """Record a state change (and the command's outcome with it, atomically)."""
+        check_instance_transition(inst.backend_type, inst.state, to_state)
         change = InstanceStateChanged(
             instance_id=inst.instance_id, alias=inst.alias, backend_type=inst.backend_type, engine=inst.engine,
             worker_id=self.worker_id, from_state=inst.state, to_state=to_state, reason=reason,
