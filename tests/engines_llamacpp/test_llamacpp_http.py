@@ -276,3 +276,17 @@ def test_seeded_sampling_is_reproducible_and_penalties_change_the_answer(server:
         url, json=chat(server.alias, count, max_tokens=16, frequency_penalty=2.0, cache_prompt=False), timeout=60
     ).json()
     assert plain["choices"][0]["message"]["content"] != penalised["choices"][0]["message"]["content"]
+
+
+def test_a_copied_system_prompt_prefix_serves_a_correct_answer(server: RunningServer) -> None:
+    url = server.url + "/v1/chat/completions"
+    # A long first turn keeps its own KV; a different question shares only the system prompt
+    # and the start of the user turn, which is copied into its own sequence.
+    first = chat(server.alias, "What's the capital of Japan? Answer in one sentence. " + "Please be brief. " * 10, max_tokens=12)
+    assert httpx.post(url, json=first, timeout=60).status_code == 200
+    copies = server.engine.metrics.prefix_copies
+    question = "What's the capital of Germany? Answer in one short sentence."
+    r = httpx.post(url, json=chat(server.alias, question, max_tokens=24), timeout=60).json()
+    assert server.engine.metrics.prefix_copies == copies + 1
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20
+    assert "Berlin" in r["choices"][0]["message"]["content"], r["choices"][0]["message"]["content"]

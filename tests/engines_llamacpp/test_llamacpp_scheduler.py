@@ -189,3 +189,45 @@ def test_effective_max_tokens_names_the_limit_and_the_excess() -> None:
     assert exc.value.param == "max_tokens"
     with pytest.raises(LengthLimitExceeded, match="over by 10"):
         effective_max_tokens(90, 40, **kw)
+
+
+def test_shared_system_prompt_is_copied_and_the_source_stays_parked() -> None:
+    s = make(n_seq=2, batch_tokens=64)
+    system = list(range(100, 110))
+    s.submit(req(0, system + list(range(200, 230))))
+    plan = s.schedule(0.0)
+    s.record_decoded(plan.work[0], 0.0)
+    s.finish(0, RequestState.COMPLETED, 0.1)
+    s.submit(req(1, system + [300, 301]))
+    plan = s.schedule(0.2)
+    t = s.running[1]
+    assert t.cached_tokens == 10 and t.seq_id == 1
+    assert plan.kv_ops == [("copy", 0, 1), ("trim", 1, 10)]
+    assert plan.work[0].pos0 == 10 and plan.work[0].tokens == [300, 301]
+    parked = s.kv.get(0)
+    assert parked is not None and parked.state == RequestState.COMPLETED and len(parked.tokens) == 40
+
+
+def test_prefix_is_copied_from_a_running_request_too() -> None:
+    s = make(n_seq=2, batch_tokens=64)
+    system = list(range(100, 112))
+    s.submit(req(0, system + [1, 2]))
+    plan = s.schedule(0.0)
+    s.record_decoded(plan.work[0], 0.0)
+    s.add_generated(0, 7)
+    s.submit(req(1, system + [3, 4]))
+    plan = s.schedule(0.1)
+    assert ("copy", 0, 1) in plan.kv_ops and s.running[1].cached_tokens == 12
+    assert {(w.request_id, w.kind) for w in plan.work} == {(0, "decode"), (1, "prefill")}
+
+
+def test_short_shared_prefix_is_recomputed_not_copied() -> None:
+    s = make(n_seq=2, batch_tokens=64)
+    s.submit(req(0, [1, 2, 3] + list(range(50, 80))))
+    plan = s.schedule(0.0)
+    s.record_decoded(plan.work[0], 0.0)
+    s.finish(0, RequestState.COMPLETED, 0.1)
+    s.submit(req(1, [1, 2, 3, 9, 9]))
+    plan = s.schedule(0.2)
+    assert not any(op == "copy" for op, _, _ in plan.kv_ops)
+    assert s.running[1].cached_tokens == 0 and s.running[1].seq_id == 1 and 0 in s.kv

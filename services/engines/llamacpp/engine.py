@@ -251,7 +251,8 @@ class LlamaEngine:
                     self._scheduler.cleanup_kv()  # type: ignore[union-attr]
                 self._drop_orphans()
                 plan = self._scheduler.schedule(now)  # type: ignore[union-attr]
-                if not plan.work and not plan.clears:
+                self.metrics.prefix_copies += sum(1 for op, _, _ in plan.kv_ops if op == "copy")
+                if not plan.work and not plan.kv_ops:
                     outbox.deliver()
                     wait = self.settings.timeout_scan_interval_s - (now - last_scan)
                     self._lock.wait(timeout=max(0.01, wait))
@@ -271,8 +272,7 @@ class LlamaEngine:
         backend = self.backend
         assert backend is not None and self._scheduler is not None
         try:
-            for seq_id, from_pos in plan.clears:
-                backend.seq_rm(seq_id, from_pos)
+            backend.apply(plan.kv_ops)
             if not plan.work:
                 return
             t0 = self.clock()

@@ -10,7 +10,7 @@ the eviction candidates; an entry whose request is PROCESSING never is.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .requests import RequestState
@@ -91,13 +91,15 @@ class KVCacheManager:
     def usage_ratio(self) -> float:
         return self._items / max(1, self.limits.capacity_items)
 
-    def best_prefix(self, prompt: Sequence[int], seq_ids: Sequence[int]) -> tuple[KVEntry | None, int]:
-        """The parked entry on one of `seq_ids` sharing the longest prefix with `prompt`."""
+    def best_prefix(
+        self, prompt: Sequence[int], seq_ids: Iterable[int], *, include_running: bool = False
+    ) -> tuple[KVEntry | None, int]:
+        """The entry on one of `seq_ids` sharing the longest prefix with `prompt` (parked ones only by default)."""
         allowed = set(seq_ids)
         best: KVEntry | None = None
         best_len = 0
         for entry in self._entries.values():
-            if entry.state == RequestState.PROCESSING or entry.seq_id not in allowed:
+            if (entry.state == RequestState.PROCESSING and not include_running) or entry.seq_id not in allowed:
                 continue
             n = common_prefix_len(entry.tokens, prompt)
             if n > best_len:

@@ -165,6 +165,20 @@ class LlamaBackend:
             llama.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
             raise DecodeError(f"could not trim sequence {seq_id} to {from_pos} tokens")
 
+    def seq_copy(self, src: int, dst: int) -> None:
+        """Make `dst` a copy of `src`. Each sequence has its own KV stream, so llama.cpp copies
+        the whole stream buffer at the start of the next llama_decode (cheap next to recomputing)."""
+        llama.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+
+    def apply(self, kv_ops: Sequence[tuple[str, int, int]]) -> None:
+        for op, a, b in kv_ops:
+            if op == "trim":
+                self.seq_rm(a, b)
+            elif op == "copy":
+                self.seq_copy(a, b)
+            else:
+                raise ValueError(f"unknown KV operation {op!r}")
+
     def decode(self, work: Sequence[SeqWork]) -> list[int]:
         """One llama_decode call carrying every sequence's tokens.
 

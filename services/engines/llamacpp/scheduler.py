@@ -2,7 +2,7 @@
 
 RequestQueue (bounded) -> running set (bounded, PENDING) -> batch (PROCESSING,
 holding a sequence id) -> COMPLETED / TIMEOUT / FAILED / CANCELLED. Every call
-takes `now`; every effect on llama.cpp is returned as data (`StepPlan.clears`,
+takes `now`; every effect on llama.cpp is returned as data (`StepPlan.kv_ops`,
 `StepPlan.work`) for the decode thread to carry out. The engine serialises
 calls with one lock.
 """
@@ -94,12 +94,26 @@ class SeqWork:
     kind: str  # "prefill" | "decode"
 
 
+KVOp = tuple[str, int, int]
+"""("trim", seq_id, from_pos): drop positions >= from_pos (0: the whole sequence);
+("copy", src_seq, dst_seq): make dst a copy of src (then trimmed to the shared prefix)."""
+
+MIN_COPY_TOKENS = 8
+"""A shared prefix shorter than this is recomputed rather than copied from another sequence."""
+TAKE_OVER_SHARE = 0.5
+"""A parked entry is taken over (not copied) when the new prompt keeps at least this share of it."""
+
+
 @dataclass
 class StepPlan:
     step_id: int
-    clears: list[tuple[int, int]] = field(default_factory=list)
-    """(seq_id, from_pos): drop cached positions >= from_pos before decoding (0 = whole sequence)."""
+    kv_ops: list[KVOp] = field(default_factory=list)
+    """Applied in order before the step's llama_decode."""
     work: list[SeqWork] = field(default_factory=list)
+
+    @property
+    def clears(self) -> list[tuple[int, int]]:
+        return [(a, b) for op, a, b in self.kv_ops if op == "trim"]
 
     @property
     def n_tokens(self) -> int:
@@ -113,7 +127,7 @@ class Scheduler:
         self.kv = kv
         self.queue: deque[Tracked] = deque()
         self.running: dict[int, Tracked] = {}  # insertion order = admission order
-        self._clears: list[tuple[int, int]] = []
+        self._kv_ops: list[KVOp] = []
         self._step_id = 0
         self._mean_service_s = 1.0
         self.counts: dict[str, int] = {"rejected_queue_full": 0}
@@ -183,7 +197,7 @@ class Scheduler:
                 self.kv.set_state(request_id, RequestState.COMPLETED, now)
             else:
                 self.kv.drop(request_id)
-                self._clears.append((seq_id, 0))
+                self._kv_ops.append(("trim", seq_id, 0))
         if state == RequestState.COMPLETED and tracked.running_since is not None:
             self._mean_service_s = 0.8 * self._mean_service_s + 0.2 * max(0.0, now - tracked.running_since)
         return tracked
@@ -193,8 +207,8 @@ class Scheduler:
         """Admit, activate and form the next batch."""
         self._admit(now)
         self._activate(now)
-        plan = StepPlan(step_id=self._step_id, clears=self._clears)
-        self._clears = []
+        plan = StepPlan(step_id=self._step_id, kv_ops=self._kv_ops)
+        self._kv_ops = []
         budget = self.limits.batch_tokens
         processing = [t for t in self.running.values() if t.state == RequestState.PROCESSING]
         # Decode tokens first: one per generating sequence keeps every stream moving.
@@ -240,7 +254,7 @@ class Scheduler:
     def cleanup_kv(self) -> list[KVEntry]:
         """Periodic KV cleanup: LRU-evict parked entries above the eviction threshold."""
         evicted = self.kv.evict_over_threshold()
-        self._clears.extend((e.seq_id, 0) for e in evicted)
+        self._kv_ops.extend(("trim", e.seq_id, 0) for e in evicted)
         return evicted
 
     # -- internals ---------------------------------------------------------
@@ -265,37 +279,57 @@ class Scheduler:
             n_processing += 1
 
     def _bind(self, tracked: Tracked, now: float) -> bool:
-        """Give a PENDING request a sequence id, reusing a parked prefix when one matches."""
+        """Give a PENDING request a sequence id, reusing a cached prefix when one matches.
+
+        The longest prefix match over all entries (parked or running) decides:
+        a parked entry the new prompt mostly continues (the next turn of its
+        conversation) is taken over in place; a shorter shared prefix (a common
+        system prompt) is copied into the new request's own sequence, so the
+        entry it came from stays cached for its own conversation.
+        """
         free = self.seq_ids.free_ids()
         if not free:
             return False
         prompt = tracked.request.prompt_tokens
         rid = tracked.request_id
+        source: KVEntry | None = None
+        keep = 0
         if self.limits.prefix_cache and tracked.request.reuse_prefix:
-            entry, common = self.kv.best_prefix(prompt, free)
+            source, common = self.kv.best_prefix(prompt, range(self.seq_ids.n_seq_max), include_running=True)
             # At least one prompt token must be decoded to get logits for the first sample.
             keep = min(common, len(prompt) - 1)
-            if entry is not None and keep > 0:
-                seq_id = self.seq_ids.acquire(rid, prefer=entry.seq_id)
-                assert seq_id == entry.seq_id
-                self.kv.take_over(entry.request_id, rid, keep, now)
-                self._clears.append((seq_id, keep))
-                tracked.seq_id, tracked.cached_tokens, tracked.n_prefilled = seq_id, keep, keep
-                return True
-        # No reusable prefix: an empty id if any, else the least recently used parked one.
-        empty = [s for s in free if self.kv.parked_on(s) is None]
+            if source is not None and keep > 0 and source.state != RequestState.PROCESSING and source.seq_id in free:
+                if keep >= TAKE_OVER_SHARE * len(source.tokens) or len(free) == 1:
+                    seq_id = self.seq_ids.acquire(rid, prefer=source.seq_id)
+                    assert seq_id == source.seq_id
+                    self.kv.take_over(source.request_id, rid, keep, now)
+                    self._kv_ops.append(("trim", seq_id, keep))
+                    tracked.seq_id, tracked.cached_tokens, tracked.n_prefilled = seq_id, keep, keep
+                    return True
+        candidates = [s for s in free if source is None or s != source.seq_id]
+        if not candidates:
+            return False
+        # An empty id if any, else the least recently used parked one.
+        empty = [s for s in candidates if self.kv.parked_on(s) is None]
         if empty:
             seq_id = empty[0]
         else:
-            victim = min((self.kv.parked_on(s) for s in free), key=lambda e: e.last_used)  # type: ignore[union-attr]
+            victim = min((self.kv.parked_on(s) for s in candidates), key=lambda e: e.last_used)  # type: ignore[union-attr]
             assert victim is not None
             self.kv.drop(victim.request_id)
             self.kv.evictions += 1
             seq_id = victim.seq_id
-            self._clears.append((seq_id, 0))
+            self._kv_ops.append(("trim", seq_id, 0))
         got = self.seq_ids.acquire(rid, prefer=seq_id)
         assert got == seq_id
-        self.kv.open(rid, seq_id, now)
+        if source is not None and keep >= MIN_COPY_TOKENS:
+            self._kv_ops.append(("copy", source.seq_id, seq_id))
+            self._kv_ops.append(("trim", seq_id, keep))
+            self.kv.open(rid, seq_id, now, source.tokens[:keep])
+            source.last_used = now
+            tracked.cached_tokens, tracked.n_prefilled = keep, keep
+        else:
+            self.kv.open(rid, seq_id, now)
         tracked.seq_id = seq_id
         return True
 
