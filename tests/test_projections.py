@@ -215,3 +215,34 @@ async def test_a_service_loads_the_projection_then_follows_the_log(store, bus, s
     await asyncio.gather(*tasks)
     rebuilt, last, _ = await rebuild(store, [ROUTING, INSTANCES])
     assert view.position == last and view[ROUTING] == rebuilt["routing"] and view[INSTANCES] == rebuilt["instances"]
+
+
+async def test_a_failed_projection_write_does_not_fold_events_twice(store, monkeypatch):
+    import shared.projections.projector as projector_module
+
+    await store.append("session:s1", [Envelope.wrap(SessionBound(session_id="s1", alias=ALIAS, instance_id="f1"))])
+    projector = Projector(store, store.engine)
+    await projector.load()
+    await projector.catch_up()
+    await store.append("session:s1", [Envelope.wrap(SessionMigrated(session_id="s1", alias=ALIAS, from_instance_id="f1",
+                                                                   to_instance_id="v1", reason="hot"))])
+    real_write = projector_module.write_rows
+    calls = 0
+
+    async def failing_once(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ConnectionError("database went away")
+        return await real_write(*args, **kwargs)
+
+    monkeypatch.setattr(projector_module, "write_rows", failing_once)
+    import pytest
+
+    with pytest.raises(ConnectionError):
+        await projector.catch_up()
+    await projector.catch_up()  # the retry
+    assert projector.rows["sessions"]["s1"]["migrations"] == 1
+    async with store.engine.connect() as conn:
+        stored = (await conn.execute(text("SELECT migrations FROM proj_sessions WHERE session_id = 's1'"))).scalar_one()
+    assert stored == 1

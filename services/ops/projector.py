@@ -52,8 +52,11 @@ async def serve(ctx: ServiceContext) -> None:
             try:
                 await asyncio.wait_for(ctx.stop.wait(), POLL_INTERVAL_S)
             except asyncio.TimeoutError:
-                async with lock:
-                    await projector.catch_up()
+                try:
+                    async with lock:
+                        await projector.catch_up()
+                except Exception:
+                    log.exception("catching up with the log failed; retrying")
 
     await asyncio.gather(ctx.consume(consumer), poll())
 

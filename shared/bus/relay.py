@@ -38,6 +38,7 @@ class Relay:
         schema: str,
         batch: int = 500,
         poll_interval_s: float = 1.0,
+        publish_timeout_s: float = 10.0,
     ) -> None:
         self.store = store
         self.js = js
@@ -47,6 +48,7 @@ class Relay:
         self.schema = schema
         self.batch = batch
         self.poll_interval_s = poll_interval_s
+        self.publish_timeout_s = publish_timeout_s
         self.position = 0
         self.published = 0
         self._wake = asyncio.Event()
@@ -65,27 +67,45 @@ class Relay:
 
     async def run(self, stop: asyncio.Event) -> None:
         conn = await asyncpg.connect(self.listen_dsn, server_settings={"search_path": self.schema})
+        stop_wait = asyncio.ensure_future(stop.wait())
         try:
             # Losing the last position update in a crash only means publishing a
             # tail again, which JetStream de-duplicates: no need to wait for the disk.
             await conn.execute("SET synchronous_commit = off")
+            # One relay per namespace: two would move the position back and forth.
+            # A second one stands by until the first one's session ends.
+            announced = False
+            while not await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", f"{self.schema}.relay"):
+                if not announced:
+                    log.info("another relay is running for %s; standing by", self.schema)
+                    announced = True
+                await asyncio.wait({stop_wait}, timeout=1.0)
+                if stop.is_set():
+                    return
             # LISTEN before reading the position, so no commit can slip between the two unseen.
             await conn.add_listener(self.store.notify_channel, lambda *_: self._wake.set())
             self.position = await self._load_position(conn)
             log.info("relay starting after position %d", self.position)
-            stop_wait = asyncio.ensure_future(stop.wait())
-            try:
-                while not stop.is_set():
-                    # Clear before reading: a commit notified while we read sets it again.
-                    self._wake.clear()
+            backoff = 0.2
+            while not stop.is_set():
+                # Clear before reading: a commit notified while we read sets it again.
+                self._wake.clear()
+                try:
                     if await self.relay_once(conn):
+                        backoff = 0.2
                         continue
-                    wake_wait = asyncio.ensure_future(self._wake.wait())
-                    await asyncio.wait({wake_wait, stop_wait}, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
-                    wake_wait.cancel()
-            finally:
-                stop_wait.cancel()
+                except Exception:
+                    # The bus or the database is away: start again from what was recorded.
+                    log.exception("relaying failed; retrying in %.1f s", backoff)
+                    await asyncio.wait({stop_wait}, timeout=backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    self.position = await self._load_position(conn)
+                    continue
+                wake_wait = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait({wake_wait, stop_wait}, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
+                wake_wait.cancel()
         finally:
+            stop_wait.cancel()
             await conn.close()
 
     async def relay_once(self, conn: asyncpg.Connection) -> int:
@@ -93,7 +113,8 @@ class Relay:
         batch = await self.store.read_outbox(self.position, self.batch)
         if not batch:
             return 0
-        await publish_in_order(
+        # A lost acknowledgement (say, across a reconnect) must not hang the relay forever.
+        await asyncio.wait_for(publish_in_order(
             self.js,
             [
                 (
@@ -103,7 +124,7 @@ class Relay:
                 )
                 for e in batch
             ],
-        )
+        ), self.publish_timeout_s)
         self.position = batch[-1].position
         await self._save_position(conn, self.position)
         self.published += len(batch)

@@ -120,12 +120,18 @@ class Projector:
                     touched[p.name][key] = None
             applied += bool(fresh)
         last = events[-1].position
-        async with self.engine.begin() as conn:
-            for p in self.projections:
-                if touched[p.name]:
-                    await write_rows(conn, p, self.rows[p.name], list(touched[p.name]))
-                if last > self.positions[p.name]:
-                    await save_position(conn, p.name, last)
+        try:
+            async with self.engine.begin() as conn:
+                for p in self.projections:
+                    if touched[p.name]:
+                        await write_rows(conn, p, self.rows[p.name], list(touched[p.name]))
+                    if last > self.positions[p.name]:
+                        await save_position(conn, p.name, last)
+        except Exception:
+            # The rows in memory are ahead of the tables now; folding the same events
+            # again on top of them would count some twice. Start over from the tables.
+            await self.load()
+            raise
         for p in self.projections:
             self.positions[p.name] = max(self.positions[p.name], last)
         return applied
