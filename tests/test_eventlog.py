@@ -178,3 +178,36 @@ async def test_history_and_stream_of_alias(store: EventStore):
     await store.append("worker:w1", [worker_event("w1")])
     history = await store.history("a")
     assert [e.type for e in history] == ["SessionBound"]
+
+
+async def test_old_event_versions_stay_stored_as_written_and_are_read_upcast(store: EventStore):
+    from shared.contracts.messages import Event, Registry
+
+    class PingV1(Event):
+        TYPE, VERSION, CATEGORY = "Ping", 1, "ping"
+        who: str
+
+        def stream_key(self) -> str:
+            return self.who
+
+    class Ping(Event):
+        TYPE, VERSION, CATEGORY = "Ping", 2, "ping"
+        name: str
+        alias: str
+
+        def stream_key(self) -> str:
+            return self.name
+
+    old_code = EventStore(store.engine, Registry([PingV1]), notify_channel=store.notify_channel)
+    await old_code.append("ping:x", [Envelope.wrap(PingV1(who="x"))])
+
+    registry = Registry([Ping])
+    registry.upcaster("Ping", 1)(lambda p: {"name": p["who"], "alias": "a"})
+    new_code = EventStore(store.engine, registry, notify_channel=store.notify_channel)
+    (event,) = await new_code.read_stream("ping:x")
+    assert event.version == 2 and event.payload == {"name": "x", "alias": "a"}
+    async with store.engine.connect() as conn:
+        stored = (await conn.execute(text("SELECT version, payload FROM events WHERE stream_id = 'ping:x'"))).one()
+    assert stored.version == 1 and stored.payload == {"who": "x"}  # never rewritten
+    (raw,) = [e async for batch in new_code.iter_raw(0) for e in batch]
+    assert raw.payload == {"name": "x", "alias": "a"}

@@ -269,7 +269,17 @@ class EventStore:
 
     async def get(self, event_id: uuid.UUID) -> Envelope | None:
         async with self.engine.connect() as conn:
-            return (await self._existing(conn, [event_id])).get(event_id)
+            stored = (await self._existing(conn, [event_id])).get(event_id)
+        return self._upcast(stored) if stored is not None else None
+
+    def _upcast(self, envelope: Envelope) -> Envelope:
+        """Readers see the latest version of every contract this code knows."""
+        if not self.registry.known(envelope.type):
+            return envelope
+        version, payload = self.registry.upcast(envelope.type, envelope.version, envelope.payload)
+        if version == envelope.version:
+            return envelope
+        return envelope.model_copy(update={"version": version, "payload": payload})
 
     async def contains(self, event_id: uuid.UUID) -> bool:
         return await self.get(event_id) is not None
@@ -283,7 +293,7 @@ class EventStore:
             result = await conn.execute(
                 text(f"SELECT {_COLUMNS} FROM events WHERE stream_id = :s ORDER BY stream_version"), {"s": stream_id}
             )
-            return [_envelope(row) for row in result]
+            return [self._upcast(_envelope(row)) for row in result]
 
     async def read_after(self, position: int, limit: int = 1000) -> list[Envelope]:
         """Committed events after `position`, in position order. Safe to tail: see `append_batch`."""
@@ -292,7 +302,7 @@ class EventStore:
                 text(f"SELECT {_COLUMNS} FROM events WHERE position > :p ORDER BY position LIMIT :n"),
                 {"p": position, "n": limit},
             )
-            return [_envelope(row) for row in result]
+            return [self._upcast(_envelope(row)) for row in result]
 
     async def head_position(self) -> int:
         async with self.engine.connect() as conn:
@@ -329,7 +339,7 @@ class EventStore:
             result = await conn.execute(
                 text(f"SELECT {_COLUMNS} FROM events WHERE {' AND '.join(clauses)} ORDER BY position"), params
             )
-            return [_envelope(row) for row in result]
+            return [self._upcast(_envelope(row)) for row in result]
 
     async def iter_raw(
         self, after: int, upto: int | None = None, batch: int = 20000, types: Collection[str] | None = None
