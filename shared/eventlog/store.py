@@ -190,9 +190,19 @@ class EventStore:
             # A rolled-back writer leaves a hole that is never filled, which a
             # reader may safely skip. The cost is that writers are serial; the
             # group commit above amortises it.
-            await conn.execute(text("LOCK TABLE events IN EXCLUSIVE MODE"))
-            stored = await self._existing(conn, ids)
-            heads = await self._heads(conn, streams)
+            await conn.execute(text("LOCK TABLE events IN EXCLUSIVE MODE"))  # also opens the transaction
+            # The rest of the hot path talks to asyncpg directly, inside that transaction.
+            raw = (await conn.get_raw_connection()).driver_connection
+            known, heads_json = await raw.fetchrow(
+                "SELECT (SELECT coalesce(array_agg(id), '{}') FROM events WHERE id = ANY($1::uuid[])),"
+                " (SELECT coalesce(json_object_agg(stream_id, head), '{}')::text FROM"
+                "   (SELECT stream_id, max(stream_version) AS head FROM events WHERE stream_id = ANY($2::text[])"
+                "    GROUP BY stream_id) h)",
+                ids,
+                streams,
+            )
+            heads: dict[str, int] = orjson.loads(heads_json)
+            stored = await self._existing(conn, list(known)) if known else {}
 
             results: list[list[Envelope] | Exception | None] = []
             rows: list[tuple[Any, ...]] = []
@@ -223,23 +233,19 @@ class EventStore:
 
             positions: dict[uuid.UUID, int] = {}
             if rows:
-                columns = list(zip(*rows))
-                result = await conn.execute(
-                    text(
-                        "INSERT INTO events (id, stream_id, stream_version, type, version, occurred_at,"
-                        " causation_id, correlation_id, payload, headers)"
-                        " SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:streams AS text[]), CAST(:versions AS int[]),"
-                        " CAST(:types AS text[]), CAST(:cversions AS smallint[]), CAST(:times AS timestamptz[]),"
-                        " CAST(:causes AS uuid[]), CAST(:corrs AS uuid[]), CAST(:payloads AS jsonb[]), CAST(:headers AS jsonb[]))"
-                        " RETURNING id, position"
-                    ),
-                    dict(zip(("ids", "streams", "versions", "types", "cversions", "times", "causes", "corrs", "payloads", "headers"),
-                             map(list, columns))),
+                # One round trip: insert, and notify the relay with the highest position
+                # (delivered at commit, and only if the transaction commits).
+                inserted = await raw.fetch(
+                    "WITH ins AS (INSERT INTO events (id, stream_id, stream_version, type, version, occurred_at,"
+                    "   causation_id, correlation_id, payload, headers)"
+                    "  SELECT * FROM unnest($1::uuid[], $2::text[], $3::int[], $4::text[], $5::smallint[],"
+                    "   $6::timestamptz[], $7::uuid[], $8::uuid[], $9::jsonb[], $10::jsonb[])"
+                    "  RETURNING id, position)"
+                    " SELECT id, position, pg_notify($11, (SELECT max(position) FROM ins)::text) FROM ins",
+                    *map(list, zip(*rows)),
+                    self.notify_channel,
                 )
-                positions = {row.id: row.position for row in result}
-                # Delivered at commit, and only if it commits: wakes the relay.
-                await conn.execute(text("SELECT pg_notify(:channel, :pos)"),
-                                   {"channel": self.notify_channel, "pos": str(max(positions.values()))})
+                positions = {row[0]: row[1] for row in inserted}
 
         written: dict[int, list[Envelope]] = {}
         for index, e, stream_id, version in placed:
