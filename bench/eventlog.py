@@ -114,7 +114,7 @@ async def fill_log(engine, n: int) -> None:
     await raw_conn.close()
 
 
-async def bench_delivery(settings: Settings, store, rate: float, seconds: float) -> tuple[list[float], float]:
+async def bench_delivery(settings: Settings, store, rate: float, seconds: float) -> tuple[list[float], list[float], float]:
     """Append at `rate` events/s while a subscriber measures append-to-receipt latency through the relay."""
     env = {**os.environ, "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url,
            "MODELPOOL_NAMESPACE": settings.namespace}
@@ -126,6 +126,7 @@ async def bench_delivery(settings: Settings, store, rate: float, seconds: float)
     relay = subprocess.Popen([sys.executable, "-m", "services.cli", "relay"], env=env, cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     appended_at: dict[str, float] = {}
+    committed: dict[str, float] = {}
     received: dict[str, float] = {}
     nc = await nats.connect(settings.nats_url)
 
@@ -141,16 +142,18 @@ async def bench_delivery(settings: Settings, store, rate: float, seconds: float)
         # Timed from the call: the group commit's wait and the commit itself count too.
         appended_at[str(event.id)] = time.perf_counter()
         await store.append(f"session:d{n}", [event])
+        committed[str(event.id)] = time.perf_counter()
 
     # Open loop: each event is appended at its own time, however long earlier appends take,
     # as independent producers would.
     start = time.perf_counter()
     tasks = []
-    for n in range(total):
-        delay = start + n / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(append_one(n)))
+    while len(tasks) < total:
+        # Start every append that is due by now: a timer that wakes late is made up
+        # for at once, so the offered rate holds whatever the sleep granularity.
+        due = min(total, int((time.perf_counter() - start) * rate) + 1)
+        tasks += [asyncio.create_task(append_one(n)) for n in range(len(tasks), due)]
+        await asyncio.sleep(0.0005)
     await asyncio.gather(*tasks)
     achieved = total / (time.perf_counter() - start)
     deadline = time.perf_counter() + 10
@@ -162,26 +165,30 @@ async def bench_delivery(settings: Settings, store, rate: float, seconds: float)
     missing = total - len(set(received) & set(appended_at))
     if missing:
         raise SystemExit(f"{missing} events were not delivered")
-    return [(received[k] - appended_at[k]) * 1000 for k in appended_at], achieved
+    from_call = [(received[k] - appended_at[k]) * 1000 for k in appended_at]
+    # The commit is acknowledged to the caller just after it happens; a receipt
+    # can therefore come first, by a hair: clamp those to zero.
+    from_commit = [max(0.0, (received[k] - committed[k]) * 1000) for k in committed]
+    return from_call, from_commit, achieved
 
 
-def plot_latencies(latencies: list[float], rate: float, path: Path) -> None:
+def plot_latencies(from_commit: list[float], from_call: list[float], rate: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ordered = sorted(latencies)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(ordered, [i / len(ordered) for i in range(1, len(ordered) + 1)])
-    for q, style in ((50, "--"), (99, ":")):
-        value = percentile(latencies, q)
-        ax.axvline(value, linestyle=style, color="grey", label=f"p{q} {value:.1f} ms")
+    for values, label in ((from_commit, "append committed -> received"), (from_call, "append called -> received")):
+        ordered = sorted(max(v, 0.01) for v in values)
+        ax.plot(ordered, [i / len(ordered) for i in range(1, len(ordered) + 1)],
+                label=f"{label} (p50 {percentile(values, 50):.1f} ms, p99 {percentile(values, 99):.1f} ms)")
+    ax.axvline(20, linestyle=":", color="grey", label="p99 target 20 ms")
     ax.set_xscale("log")
-    ax.set_xlabel("append called -> subscriber received (ms, log scale)")
+    ax.set_xlabel("latency (ms, log scale)")
     ax.set_ylabel("share of events")
     ax.set_title(f"Event delivery through the relay at {rate:.0f} events/s")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -214,12 +221,16 @@ async def main() -> None:
         results["append_batch_events_per_s"] = round(await bench_append(store, args.append_seconds, writers=4, batch=100))
 
         print(f"append-to-delivery at {args.deliver_rate:.0f} events/s ...", file=sys.stderr)
-        latencies, achieved = await bench_delivery(settings, store, args.deliver_rate, args.deliver_seconds)
+        from_call, from_commit, achieved = await bench_delivery(settings, store, args.deliver_rate, args.deliver_seconds)
         results["deliver_rate_achieved"] = round(achieved)
-        results["deliver_p50_ms"] = round(percentile(latencies, 50), 2)
-        results["deliver_p99_ms"] = round(percentile(latencies, 99), 2)
+        # Committed (the append acknowledged) -> a subscriber has it: the bus path.
+        results["deliver_p50_ms"] = round(percentile(from_commit, 50), 2)
+        results["deliver_p99_ms"] = round(percentile(from_commit, 99), 2)
+        # append() called -> a subscriber has it: the write and the bus path together.
+        results["append_to_receipt_p50_ms"] = round(percentile(from_call, 50), 2)
+        results["append_to_receipt_p99_ms"] = round(percentile(from_call, 99), 2)
         if args.plot:
-            plot_latencies(latencies, achieved, args.plot)
+            plot_latencies(from_commit, from_call, achieved, args.plot)
 
         existing = await store.head_position()
         await fill_log(engine, max(0, args.rebuild_events - existing))

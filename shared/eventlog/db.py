@@ -28,7 +28,15 @@ def create_engine(settings: Settings, *, schema: str | None = None, pool_size: i
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_pre_ping=True,
-        connect_args={"server_settings": {"search_path": schema or settings.namespace}},
+        connect_args={
+            "server_settings": {
+                "search_path": schema or settings.namespace,
+                # asyncpg prepares every statement; after a few runs Postgres may switch
+                # to a generic plan, and for `id = ANY($1)` that can be a full scan of
+                # the log. Plan each run for its actual arguments instead.
+                "plan_cache_mode": "force_custom_plan",
+            }
+        },
     )
 
 

@@ -178,86 +178,87 @@ class EventStore:
     async def _commit_group(self, group: list[_Request]) -> list[list[Envelope] | Exception]:
         ids = [e.id for r in group for a in r.appends for e in a.events]
         streams = sorted({a.stream_id for r in group for a in r.appends})
-        async with self.engine.begin() as conn:
-            # Why a table lock: positions come from a sequence, and sequence values
-            # are handed out when a row is inserted, not when its transaction
-            # commits. Without serialising writers, transaction A could take
-            # position 10, transaction B position 11, and B commit first: a reader
-            # tailing "position > 9" would see 11, move its cursor past 10, and
-            # never see A's event when it commits a moment later. EXCLUSIVE mode
-            # lets readers (ACCESS SHARE) through but admits one writer at a time,
-            # held to commit, so positions become visible in increasing order.
-            # A rolled-back writer leaves a hole that is never filled, which a
-            # reader may safely skip. The cost is that writers are serial; the
-            # group commit above amortises it.
-            await conn.execute(text("LOCK TABLE events IN EXCLUSIVE MODE"))  # also opens the transaction
-            # The rest of the hot path talks to asyncpg directly, inside that transaction.
+        async with self.engine.connect() as conn:
+            # The hot path talks to asyncpg directly, in a transaction of its own:
+            # one group commit is five round trips and no more.
             raw = (await conn.get_raw_connection()).driver_connection
-            known, heads_json = await raw.fetchrow(
-                "SELECT (SELECT coalesce(array_agg(id), '{}') FROM events WHERE id = ANY($1::uuid[])),"
-                " (SELECT coalesce(json_object_agg(stream_id, head), '{}')::text FROM"
-                "   (SELECT stream_id, max(stream_version) AS head FROM events WHERE stream_id = ANY($2::text[])"
-                "    GROUP BY stream_id) h)",
-                ids,
-                streams,
+            async with raw.transaction():
+                return await self._commit_group_in(raw, group, ids, streams)
+
+    async def _commit_group_in(
+        self, raw: Any, group: list[_Request], ids: list[uuid.UUID], streams: list[str]
+    ) -> list[list[Envelope] | Exception]:
+        # Why a table lock: positions come from a sequence, and sequence values
+        # are handed out when a row is inserted, not when its transaction
+        # commits. Without serialising writers, transaction A could take
+        # position 10, transaction B position 11, and B commit first: a reader
+        # tailing "position > 9" would see 11, move its cursor past 10, and
+        # never see A's event when it commits a moment later. EXCLUSIVE mode
+        # lets readers (ACCESS SHARE) through but admits one writer at a time,
+        # held to commit, so positions become visible in increasing order.
+        # A rolled-back writer leaves a hole that is never filled, which a
+        # reader may safely skip. The cost is that writers are serial; the
+        # group commit above amortises it.
+        await raw.execute("LOCK TABLE events IN EXCLUSIVE MODE")
+        known, heads_json = await raw.fetchrow(
+            "SELECT (SELECT coalesce(array_agg(id), '{}') FROM events WHERE id = ANY($1::uuid[])),"
+            " (SELECT coalesce(json_object_agg(stream_id, head), '{}')::text FROM"
+            "   (SELECT stream_id, max(stream_version) AS head FROM events WHERE stream_id = ANY($2::text[])"
+            "    GROUP BY stream_id) h)",
+            ids,
+            streams,
+        )
+        heads: dict[str, int] = orjson.loads(heads_json)
+        stored = await _existing(raw, list(known)) if known else {}
+
+        results: list[list[Envelope] | Exception | None] = []
+        rows: list[tuple[Any, ...]] = []
+        placed: list[tuple[int, Envelope, str, int]] = []  # (request index, event, stream, version)
+        for index, request in enumerate(group):
+            mine = [e for a in request.appends for e in a.events]
+            already = [stored[e.id] for e in mine if e.id in stored]
+            if already:
+                if len(already) == len(mine):
+                    results.append(already)
+                else:
+                    results.append(DuplicateEventError(
+                        f"{len(already)} of {len(mine)} events are already in the log; a retry must resend the same batch"))
+                continue
+            conflict = next(
+                (a for a in request.appends if a.expected_version not in (ANY_VERSION, heads.get(a.stream_id, 0))), None
             )
-            heads: dict[str, int] = orjson.loads(heads_json)
-            stored = await self._existing(conn, list(known)) if known else {}
+            if conflict is not None:
+                results.append(ConcurrencyError(conflict.stream_id, conflict.expected_version, heads.get(conflict.stream_id, 0)))
+                continue
+            for a in request.appends:
+                for e in a.events:
+                    version = heads[a.stream_id] = heads.get(a.stream_id, 0) + 1
+                    placed.append((index, e, a.stream_id, version))
+                    rows.append((e.id, a.stream_id, version, e.type, e.version, e.occurred_at, e.causation_id,
+                                 e.correlation_id, orjson.dumps(e.payload).decode(), request.headers))
+            results.append(None)
 
-            results: list[list[Envelope] | Exception | None] = []
-            rows: list[tuple[Any, ...]] = []
-            placed: list[tuple[int, Envelope, str, int]] = []  # (request index, event, stream, version)
-            for index, request in enumerate(group):
-                mine = [e for a in request.appends for e in a.events]
-                already = [stored[e.id] for e in mine if e.id in stored]
-                if already:
-                    if len(already) == len(mine):
-                        results.append(already)
-                    else:
-                        results.append(DuplicateEventError(
-                            f"{len(already)} of {len(mine)} events are already in the log; a retry must resend the same batch"))
-                    continue
-                conflict = next(
-                    (a for a in request.appends if a.expected_version not in (ANY_VERSION, heads.get(a.stream_id, 0))), None
-                )
-                if conflict is not None:
-                    results.append(ConcurrencyError(conflict.stream_id, conflict.expected_version, heads.get(conflict.stream_id, 0)))
-                    continue
-                for a in request.appends:
-                    for e in a.events:
-                        version = heads[a.stream_id] = heads.get(a.stream_id, 0) + 1
-                        placed.append((index, e, a.stream_id, version))
-                        rows.append((e.id, a.stream_id, version, e.type, e.version, e.occurred_at, e.causation_id,
-                                     e.correlation_id, orjson.dumps(e.payload).decode(), request.headers))
-                results.append(None)
-
-            positions: dict[uuid.UUID, int] = {}
-            if rows:
-                # One round trip: insert, and notify the relay with the highest position
-                # (delivered at commit, and only if the transaction commits).
-                inserted = await raw.fetch(
-                    "WITH ins AS (INSERT INTO events (id, stream_id, stream_version, type, version, occurred_at,"
-                    "   causation_id, correlation_id, payload, headers)"
-                    "  SELECT * FROM unnest($1::uuid[], $2::text[], $3::int[], $4::text[], $5::smallint[],"
-                    "   $6::timestamptz[], $7::uuid[], $8::uuid[], $9::jsonb[], $10::jsonb[])"
-                    "  RETURNING id, position)"
-                    " SELECT id, position, pg_notify($11, (SELECT max(position) FROM ins)::text) FROM ins",
-                    *map(list, zip(*rows)),
-                    self.notify_channel,
-                )
-                positions = {row[0]: row[1] for row in inserted}
+        positions: dict[uuid.UUID, int] = {}
+        if rows:
+            # One round trip: insert, and notify the relay with the highest position
+            # (delivered at commit, and only if the transaction commits).
+            inserted = await raw.fetch(
+                "WITH ins AS (INSERT INTO events (id, stream_id, stream_version, type, version, occurred_at,"
+                "   causation_id, correlation_id, payload, headers)"
+                "  SELECT * FROM unnest($1::uuid[], $2::text[], $3::int[], $4::text[], $5::smallint[],"
+                "   $6::timestamptz[], $7::uuid[], $8::uuid[], $9::jsonb[], $10::jsonb[])"
+                "  RETURNING id, position)"
+                " SELECT id, position, pg_notify($11, (SELECT max(position) FROM ins)::text) FROM ins",
+                *map(list, zip(*rows)),
+                self.notify_channel,
+            )
+            positions = {row[0]: row[1] for row in inserted}
 
         written: dict[int, list[Envelope]] = {}
         for index, e, stream_id, version in placed:
             written.setdefault(index, []).append(
                 e.model_copy(update={"stream_id": stream_id, "stream_version": version, "position": positions[e.id]}))
         return [written[i] if r is None else r for i, r in enumerate(results)]
-
-    async def _existing(self, conn: AsyncConnection, ids: list[uuid.UUID]) -> dict[uuid.UUID, Envelope]:
-        result = await conn.execute(
-            text(f"SELECT {_COLUMNS} FROM events WHERE id = ANY(CAST(:ids AS uuid[]))"), {"ids": ids}
-        )
-        return {row.id: _envelope(row) for row in result}
 
     @staticmethod
     async def _head(conn: AsyncConnection, stream_id: str) -> int:
@@ -275,7 +276,8 @@ class EventStore:
 
     async def get(self, event_id: uuid.UUID) -> Envelope | None:
         async with self.engine.connect() as conn:
-            stored = (await self._existing(conn, [event_id])).get(event_id)
+            raw = (await conn.get_raw_connection()).driver_connection
+            stored = (await _existing(raw, [event_id])).get(event_id)
         return self._upcast(stored) if stored is not None else None
 
     def _upcast(self, envelope: Envelope) -> Envelope:
@@ -398,19 +400,26 @@ class EventStore:
                     rows = await upcoming
 
 
+async def _existing(raw: Any, ids: list[uuid.UUID]) -> dict[uuid.UUID, Envelope]:
+    records = await raw.fetch(f"SELECT {_COLUMNS} FROM events WHERE id = ANY($1::uuid[])", ids)
+    return {r["id"]: _envelope(r) for r in records}
+
+
 def _envelope(row: Any) -> Envelope:
-    payload = row.payload if isinstance(row.payload, dict) else json.loads(row.payload)
+    """An envelope from a stored row: an asyncpg record or a SQLAlchemy row."""
+    m = row._mapping if hasattr(row, "_mapping") else row
+    payload = m["payload"] if isinstance(m["payload"], dict) else orjson.loads(m["payload"])
     return Envelope(
-        id=row.id,
-        type=row.type,
-        version=row.version,
-        occurred_at=row.occurred_at,
-        causation_id=row.causation_id,
-        correlation_id=row.correlation_id,
+        id=m["id"],
+        type=m["type"],
+        version=m["version"],
+        occurred_at=m["occurred_at"],
+        causation_id=m["causation_id"],
+        correlation_id=m["correlation_id"],
         payload=payload,
-        stream_id=row.stream_id,
-        stream_version=row.stream_version,
-        position=row.position,
+        stream_id=m["stream_id"],
+        stream_version=m["stream_version"],
+        position=m["position"],
     )
 
 
