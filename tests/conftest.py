@@ -12,7 +12,6 @@ streams, dropped afterwards, so runs repeat on the same servers.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import socket

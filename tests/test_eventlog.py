@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from shared.contracts.backends import BackendType, EngineKind
+from shared.contracts.backends import EngineKind
 from shared.contracts.events import SessionBound, WorkerRegistered
 from shared.contracts.messages import Envelope
 from shared.eventlog.store import Append, ConcurrencyError, DuplicateEventError, EventStore

