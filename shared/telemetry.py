@@ -61,10 +61,6 @@ class Telemetry:
     def from_settings(cls, settings: Any, service_name: str) -> "Telemetry":
         return cls(service_name, otlp_endpoint=settings.otlp_endpoint)
 
-    @property
-    def enabled(self) -> bool:
-        return self._tracer_provider is not None
-
     def inject(self, headers: MutableMapping[str, str], context: Context | None = None) -> None:
         """Write the current (or given) trace context into message headers."""
         self.propagator.inject(headers, context=context)

@@ -11,7 +11,7 @@ from shared.contracts.messages import Contract, Envelope
 
 async def serve(ctx: ServiceContext) -> None:
     placement = Placement(ctx.store, ctx.js, ctx.subjects, ctx.telemetry)
-    await placement.refresh()
+    await placement.view.catch_up()
 
     async def on_request(envelope: Envelope, command: Contract) -> None:
         assert isinstance(command, PlaceInstance)

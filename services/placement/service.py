@@ -23,6 +23,7 @@ from shared.contracts.commands import EngineSpec, PlaceInstance, StartInstance
 from shared.contracts.events import PlacementDecided, PlacementFailed, PlacementRequested
 from shared.contracts.messages import Envelope, derived_id
 from shared.eventlog.store import EventStore, RawEvent
+from shared.projections.live import LiveView
 from shared.projections.readmodels import WORKERS, Projection, Rows
 from shared.telemetry import Telemetry
 
@@ -60,21 +61,13 @@ class Placement:
         self.js = js
         self.subjects = subjects
         self.telemetry = telemetry
-        self.rows: dict[str, Rows] = {WORKERS.name: {}, PLACEMENTS.name: {}}
-        self.position = 0
+        # Placements are not a stored read model: the view is folded from the log itself.
+        self.view = LiveView(store, store.engine, [WORKERS, PLACEMENTS])
         self._lock = asyncio.Lock()
-
-    async def refresh(self) -> None:
-        async for events in self.store.iter_raw(self.position):
-            for event in events:
-                for projection in (WORKERS, PLACEMENTS):
-                    projection.apply(self.rows[projection.name], event)
-            if events:
-                self.position = events[-1].position
 
     def workers(self) -> list[WorkerView]:
         placed: dict[str, list[Placed]] = {}
-        for row in self.rows[PLACEMENTS.name].values():
+        for row in self.view[PLACEMENTS].values():
             placed.setdefault(row["worker_id"], []).append(
                 Placed(row["instance_id"], row["alias"], BackendType(row["backend_type"]), row["gpu_memory_gb"]))
         return [
@@ -83,7 +76,7 @@ class Placement:
                 engines=frozenset(EngineKind(e) for e in w["engines"]), up=w["status"] == "up",
                 instances=tuple(placed.get(w["worker_id"], ())),
             )
-            for w in self.rows[WORKERS.name].values()
+            for w in self.view[WORKERS].values()
         ]
 
     async def handle(self, envelope: Envelope, cmd: PlaceInstance) -> None:
@@ -94,7 +87,7 @@ class Placement:
             if decided is None:
                 if await self.store.contains(derived_id(envelope.id, "failed")):
                     return
-                await self.refresh()
+                await self.view.catch_up()
                 request = Request(cmd.alias, cmd.backend_type, cmd.engine, cmd.gpu_memory_gb)
                 # What was stored wins: a copy of this request handled elsewhere first
                 # may have chosen another worker.

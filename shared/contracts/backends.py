@@ -64,12 +64,6 @@ CAPABILITIES: dict[BackendType, frozenset[Action]] = {
     BackendType.VLLM: frozenset(Action),
 }
 
-SLEEP_LEVELS: dict[BackendType, frozenset[int]] = {
-    BackendType.LLAMA_CPP: frozenset(),
-    BackendType.VLLM: frozenset({1, 2}),
-}
-
-
 def supports(backend: BackendType, action: Action) -> bool:
     return action in CAPABILITIES[backend]
 

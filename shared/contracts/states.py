@@ -95,11 +95,6 @@ def instance_transition_allowed(backend: BackendType, from_state: InstanceState,
     return (from_state, to_state) in INSTANCE_TRANSITIONS[backend]
 
 
-SERVING_STATES = frozenset({_I.RUNNING})
-"""States in which an instance may receive new requests."""
-
-SLEEP_LEVEL = {_I.SLEEP_1: 1, _I.SLEEP_2: 2}
-
 _R = RoutingState
 
 # Seed 000 §4.1: the core transitions, plus "any state -> DEGRADED_FAST".

@@ -33,7 +33,6 @@ class LiveView:
         self.projections = tuple(projections)
         self.rows: dict[str, Rows] = {p.name: {} for p in projections}
         self.position = 0
-        self.changed = asyncio.Event()
         self._wake = asyncio.Event()
 
     def __getitem__(self, projection: Projection) -> Rows:
@@ -54,6 +53,7 @@ class LiveView:
         await self.catch_up()
 
     async def catch_up(self) -> int:
+        """Fold every committed event after our position; return how many."""
         applied = 0
         async for events in self.store.iter_raw(self.position):
             for event in events:
@@ -62,8 +62,6 @@ class LiveView:
             if events:
                 self.position = events[-1].position
                 applied += len(events)
-        if applied:
-            self.changed.set()
         return applied
 
     async def follow(self, nc: NATS, subjects: Subjects, stop: asyncio.Event, poll_interval_s: float = 1.0) -> None:
