@@ -231,3 +231,60 @@ def test_short_shared_prefix_is_recomputed_not_copied() -> None:
     plan = s.schedule(0.2)
     assert not any(op == "copy" for op, _, _ in plan.kv_ops)
     assert s.running[1].cached_tokens == 0 and s.running[1].seq_id == 1 and 0 in s.kv
+
+
+def run_to_completion(s: Scheduler, rid: int, prompt: list[int], now: float) -> None:
+    s.submit(req(rid, prompt, at=now))
+    plan = s.schedule(now)
+    for w in plan.work:
+        s.record_decoded(w, now)
+    s.finish(rid, RequestState.COMPLETED, now)
+
+
+def test_new_requests_fill_holes_so_busy_ids_stay_consecutive() -> None:
+    s = make(n_seq=8, max_running=8, max_batch_size=8, batch_tokens=256)
+    for rid in range(4):
+        s.submit(req(rid, [rid + 1] * 3))
+    plan = s.schedule(0.0)
+    assert [w.seq_id for w in plan.work] == [0, 1, 2, 3]
+    for w in plan.work:
+        s.record_decoded(w, 0.0)
+    s.finish(1, RequestState.COMPLETED, 0.1)  # a hole at id 1
+    s.submit(req(4, [9, 9, 9]))
+    s.schedule(0.2)
+    assert s.running[4].seq_id == 1
+
+
+def test_a_continued_conversation_parked_off_the_run_is_copied_next_to_it() -> None:
+    s = make(n_seq=8, max_running=8, max_batch_size=8, batch_tokens=256)
+    conversation = list(range(100, 120))
+    # the conversation's first turn ends parked on id 0, then ids 0..2 go to other requests
+    run_to_completion(s, 0, conversation, 0.0)
+    for rid in (1, 2, 3):
+        s.submit(req(rid, [rid] * 3))
+    s.schedule(0.1)
+    busy = {s.running[rid].seq_id for rid in (1, 2, 3)}
+    assert busy == {1, 2, 3}  # id 0 holds the parked turn; the others fill 1, 2, 3
+    s.finish(2, RequestState.COMPLETED, 0.2)  # hole at 2; the parked turn is still on 0
+    s.submit(req(4, conversation + [7, 8]))
+    plan = s.schedule(0.3)
+    t = s.running[4]
+    # id 0 would start a second run; id 2 keeps 1..3 one run, so the prefix is copied there
+    assert t.seq_id == 2 and t.cached_tokens == 20
+    assert ("copy", 0, 2) in plan.kv_ops and ("trim", 2, 20) in plan.kv_ops
+
+
+def test_batch_lists_sequences_in_ascending_id_order() -> None:
+    s = make(n_seq=3, max_running=3, max_batch_size=3, batch_tokens=256)
+    for rid in range(3):
+        s.submit(req(rid, [rid + 1] * 3))
+    plan = s.schedule(0.0)
+    for w in plan.work:
+        s.record_decoded(w, 0.0)
+    s.finish(0, RequestState.COMPLETED, 0.1)
+    for rid in (1, 2):
+        s.add_generated(rid, 5)
+    s.submit(req(3, [7, 7, 7]))  # admitted last, bound to the only free id, 0
+    plan = s.schedule(0.2)
+    assert [w.seq_id for w in plan.work] == [0, 1, 2]
+    assert plan.work[0].request_id == 3 and plan.work[0].kind == "prefill"

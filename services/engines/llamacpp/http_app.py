@@ -191,6 +191,7 @@ class EngineAPI:
                 "steps": [
                     {
                         "step_id": r.step_id,
+                        "started_at": r.started_at,
                         "duration_ms": round(r.duration_s * 1000, 3),
                         "seqs": [{"seq_id": s, "request_id": q, "n_tokens": n, "kind": k} for s, q, n, k in r.seqs],
                     }

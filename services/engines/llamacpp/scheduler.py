@@ -232,6 +232,8 @@ class Scheduler:
             assert tracked.seq_id is not None
             plan.work.append(SeqWork(tracked.request_id, tracked.seq_id, chunk, tracked.n_prefilled, completes, "prefill"))
             budget -= len(chunk)
+        # llama.cpp batches consecutive sequence ids together only in ascending batch order.
+        plan.work.sort(key=lambda w: w.seq_id)
         if plan.work:
             self._step_id += 1
         return plan
@@ -281,11 +283,11 @@ class Scheduler:
     def _bind(self, tracked: Tracked, now: float) -> bool:
         """Give a PENDING request a sequence id, reusing a cached prefix when one matches.
 
-        The longest prefix match over all entries (parked or running) decides:
-        a parked entry the new prompt mostly continues (the next turn of its
-        conversation) is taken over in place; a shorter shared prefix (a common
-        system prompt) is copied into the new request's own sequence, so the
-        entry it came from stays cached for its own conversation.
+        The id is chosen by `_place`. The longest prefix match over all entries
+        (parked or running) is then reused: taken over in place when it is
+        parked on the chosen id, otherwise copied into it (a shared system
+        prompt, or a conversation whose id is not the one chosen), so the entry
+        it came from stays cached for its own conversation.
         """
         free = self.seq_ids.free_ids()
         if not free:
@@ -298,40 +300,55 @@ class Scheduler:
             source, common = self.kv.best_prefix(prompt, range(self.seq_ids.n_seq_max), include_running=True)
             # At least one prompt token must be decoded to get logits for the first sample.
             keep = min(common, len(prompt) - 1)
-            if source is not None and keep > 0 and source.state != RequestState.PROCESSING and source.seq_id in free:
-                if keep >= TAKE_OVER_SHARE * len(source.tokens) or len(free) == 1:
-                    seq_id = self.seq_ids.acquire(rid, prefer=source.seq_id)
-                    assert seq_id == source.seq_id
-                    self.kv.take_over(source.request_id, rid, keep, now)
-                    self._kv_ops.append(("trim", seq_id, keep))
-                    tracked.seq_id, tracked.cached_tokens, tracked.n_prefilled = seq_id, keep, keep
-                    return True
-        candidates = [s for s in free if source is None or s != source.seq_id]
-        if not candidates:
-            return False
-        # An empty id if any, else the least recently used parked one.
-        empty = [s for s in candidates if self.kv.parked_on(s) is None]
-        if empty:
-            seq_id = empty[0]
-        else:
-            victim = min((self.kv.parked_on(s) for s in candidates), key=lambda e: e.last_used)  # type: ignore[union-attr]
-            assert victim is not None
-            self.kv.drop(victim.request_id)
-            self.kv.evictions += 1
-            seq_id = victim.seq_id
-            self._kv_ops.append(("trim", seq_id, 0))
+            if keep <= 0:
+                source = None
+        seq_id = self._place(free, source, keep)
         got = self.seq_ids.acquire(rid, prefer=seq_id)
         assert got == seq_id
+        tracked.seq_id = seq_id
+        if source is not None and source.seq_id == seq_id:
+            self.kv.take_over(source.request_id, rid, keep, now)
+            self._kv_ops.append(("trim", seq_id, keep))
+            tracked.cached_tokens = tracked.n_prefilled = keep
+            return True
+        victim = self.kv.parked_on(seq_id)
+        if victim is not None:
+            self.kv.drop(victim.request_id)
+            self.kv.evictions += 1
+            self._kv_ops.append(("trim", seq_id, 0))
         if source is not None and keep >= MIN_COPY_TOKENS:
             self._kv_ops.append(("copy", source.seq_id, seq_id))
             self._kv_ops.append(("trim", seq_id, keep))
             self.kv.open(rid, seq_id, now, source.tokens[:keep])
             source.last_used = now
-            tracked.cached_tokens, tracked.n_prefilled = keep, keep
+            tracked.cached_tokens = tracked.n_prefilled = keep
         else:
             self.kv.open(rid, seq_id, now)
-        tracked.seq_id = seq_id
         return True
+
+    def _place(self, free: list[int], source: KVEntry | None, keep: int) -> int:
+        """The free sequence id a new request decodes under.
+
+        First, keep the busy ids in as few runs of consecutive ids as possible:
+        with one KV stream per sequence, llama.cpp splits a batch into one
+        ubatch, and so one pass over the weights, per run of consecutive ids
+        (8 sequences on ids 0,2,..,14 cost 8 passes, on 0..7 one). Then prefer
+        the id holding the conversation the prompt continues (no copy), then an
+        empty id, then the least recently used parked entry.
+        """
+        busy = {s for s in range(self.seq_ids.n_seq_max) if self.seq_ids.owner(s) is not None}
+        continues = source is not None and keep >= TAKE_OVER_SHARE * len(source.tokens)
+
+        def cost(seq_id: int) -> tuple[int, int, float, int]:
+            new_runs = 1 - ((seq_id - 1) in busy) - ((seq_id + 1) in busy)
+            parked = self.kv.parked_on(seq_id)
+            if parked is None:
+                return (new_runs, 1, 0.0, seq_id)
+            if continues and parked is source:
+                return (new_runs, 0, 0.0, seq_id)
+            return (new_runs, 2, parked.last_used, seq_id)
+
+        return min(free, key=cost)
 
     def snapshot_slots(self) -> list[dict[str, object]]:
         slots: list[dict[str, object]] = []
