@@ -126,3 +126,38 @@ def test_batching_changes_logits_only_within_llama_cpp_arithmetic(backend8) -> N
     print(f"max |dlogit| batched vs solo {max(deltas):.3f}; median between sequences {np.median(between):.1f}; greedy agreement {agreement:.3f}")
     assert max(deltas) < 0.2 * float(np.median(between)), (max(deltas), float(np.median(between)))
     assert agreement >= 0.95, agreement
+
+
+def test_a_narrower_wave_after_a_wide_one_decodes_on_consecutive_sequence_ids(make_server) -> None:  # type: ignore[no-untyped-def]
+    # With one KV stream per sequence, llama.cpp runs one pass over the weights per run of
+    # consecutive sequence ids; after a wide wave every id holds a parked conversation, and
+    # the next wave must still land on one run (with the old LRU choice it spread out).
+    server = make_server(n_seq_max=8, max_running=8, max_batch_size=8)
+    topics = ["the sea", "a lighthouse", "a train", "the moon", "a market", "a library", "a storm", "a desert"]
+
+    async def wide_wave() -> None:
+        # every other request ends early, so the least recently used parked ids alternate
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            await asyncio.gather(
+                *(
+                    client.post(
+                        "/v1/chat/completions",
+                        json=chat(server.alias, f"Write one line about {t}.", max_tokens=4 if i % 2 == 0 else 16, logit_bias={"2": -100}),
+                    )
+                    for i, t in enumerate(topics)
+                )
+            )
+
+    asyncio.run(wide_wave())
+    first_step = server.engine.step_log[-1].step_id + 1
+    asyncio.run(_ask_all(server, [f"Name a color of {t}." for t in ["an apple", "the sky", "grass", "snow"]], max_tokens=12))
+
+    wave = [s for s in server.engine.step_log if s.step_id >= first_step]
+    full_decode_steps = [s for s in wave if len(s.seqs) == 4 and all(kind == "decode" for *_, kind in s.seqs)]
+    assert full_decode_steps, "the four requests never decoded together"
+    for s in wave:
+        ids = [seq for seq, *_ in s.seqs]
+        assert ids == sorted(ids), f"step {s.step_id} lists sequences out of id order: {ids}"
+    for s in full_decode_steps:
+        ids = [seq for seq, *_ in s.seqs]
+        assert ids == list(range(ids[0], ids[0] + 4)), f"step {s.step_id} decodes on scattered ids {ids}"
