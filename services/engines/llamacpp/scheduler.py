@@ -101,7 +101,8 @@ KVOp = tuple[str, int, int]
 MIN_COPY_TOKENS = 8
 """A shared prefix shorter than this is recomputed rather than copied from another sequence."""
 TAKE_OVER_SHARE = 0.5
-"""A parked entry is taken over (not copied) when the new prompt keeps at least this share of it."""
+"""A new prompt keeping at least this share of a parked entry continues its conversation: among
+equally compact ids, that entry's id is preferred and the entry taken over in place (no copy)."""
 
 
 @dataclass
