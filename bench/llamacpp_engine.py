@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from services.engines.llamacpp.llama_backend import BackendConfig, LlamaBackend  # noqa: E402
 from services.engines.llamacpp.model_files import default_model_path  # noqa: E402
 from services.engines.llamacpp.scheduler import SeqWork  # noqa: E402
+from shared.net import free_port  # noqa: E402
 
 STOCK_EXTRAS = ("fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
 TOPICS = [
@@ -46,12 +46,6 @@ TOPICS = [
     "a busy market", "an old library", "a thunderstorm", "a desert night", "a small bakery", "a robot gardener",
     "a river boat", "autumn leaves", "a city at dawn", "a chess game",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float:

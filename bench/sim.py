@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,8 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from shared.net import free_port  # noqa: E402
 
 DRIFT_LIMIT = 0.05
 TOKEN_MARK = b'"text":"'
@@ -173,15 +174,9 @@ async def ramp(port: int, pid: int, levels: list[int], warmup: float, window: fl
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def engine_capacity(levels: list[int], warmup: float, window: float,
                     timing: list[str]) -> tuple[list[Level], list[str]]:
-    port = _free_port()
+    port = free_port()
     model = "bench-sim"
     cmd = [
         sys.executable, "-m", "services.cli", "engine", "sim", "--profile", "vllm", "--port", str(port),

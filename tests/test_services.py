@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import socket
 import uuid
 
 import httpx
@@ -20,6 +19,7 @@ from shared.contracts.backends import BackendType, EngineKind
 from shared.contracts.commands import PlaceInstance
 from shared.contracts.events import SessionBound, SessionMigrated
 from shared.contracts.messages import Envelope
+from shared.net import free_port
 
 
 def service_env(settings, **extra: str) -> dict[str, str]:
@@ -128,12 +128,6 @@ aliases:
       llama.cpp: {model_name: tiny, model_path: default, gpu_memory_gb: 0, min_replicas: 1, max_replicas: 2, engine: simulator}
       vllm: {model_name: tiny, model_path: /models/tiny, gpu_memory_gb: 12, max_replicas: 1, max_model_len: 4096, engine: simulator}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_a_request_flows_from_placement_to_a_worker_engine_and_through_the_gateway(store, bus, settings, tmp_path):

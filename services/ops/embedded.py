@@ -28,7 +28,6 @@ import pwd
 import re
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -36,11 +35,14 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
+
+from shared.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +66,6 @@ class Account:
     name: str
     uid: int
     gid: int
-
-
-def free_port(host: str = LOCALHOST) -> int:
-    """A TCP port nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _child_setup(account: Account | None, death_signal: int | None, parent_pid: int) -> Callable[[], None]:
@@ -235,7 +230,7 @@ def _wait_until(
 _PORT_ATTEMPTS = 4
 
 
-class _EmbeddedServer:
+class _EmbeddedServer(ABC):
     """Start/stop bookkeeping shared by both servers."""
 
     name = "server"
@@ -253,11 +248,11 @@ class _EmbeddedServer:
     def running(self) -> bool:
         return self.pid is not None
 
-    def start(self) -> Self:
-        raise NotImplementedError
+    @abstractmethod
+    def start(self) -> Self: ...
 
-    def stop(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def stop(self) -> None: ...
 
     def _stop(self, first_signal: int, grace_s: float) -> None:
         try:

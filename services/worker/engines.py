@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -23,18 +22,13 @@ import httpx
 
 from shared.contracts.backends import BackendType, EngineKind
 from shared.contracts.commands import StartInstance
+from shared.net import free_port
 
 log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
     pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ version is added and an upcaster turns the old payload into the new shape on rea
 from __future__ import annotations
 
 import uuid
+from abc import abstractmethod
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any, ClassVar, TypeVar
@@ -42,8 +43,8 @@ class Event(Contract):
 
     CATEGORY: ClassVar[str]
 
-    def stream_key(self) -> str:  # pragma: no cover - every event overrides it
-        raise NotImplementedError
+    @abstractmethod
+    def stream_key(self) -> str: ...
 
     def stream_id(self) -> str:
         return f"{self.CATEGORY}:{self.stream_key()}"

@@ -19,7 +19,8 @@ import pytest
 from ops_processes import cmdline, descendants, pids_mentioning, wait_gone
 
 from services.ops import up
-from services.ops.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from services.ops.embedded import EmbeddedNats, EmbeddedPostgres
+from shared.net import free_port
 
 pytestmark = pytest.mark.timeout(180)
 

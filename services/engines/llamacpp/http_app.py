@@ -18,10 +18,10 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from shared.engine_asgi import EngineHeader
 from shared.openai_protocol import (
-    ENGINE_HEADER,
     SSE_DONE,
     APIError,
     AssistantMessage,
@@ -59,26 +59,6 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-modelpool-engine-request-id"
 """The engine's own request id (the key of /slots and /debug/steps)."""
-
-
-class EngineHeader:
-    """ASGI middleware: stamp every response with the engine's name."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def stamped(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (ENGINE_HEADER.encode(), ENGINE_NAME.encode())]
-            await send(message)
-
-        await self.app(scope, receive, stamped)
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -471,4 +451,4 @@ def build_app(engine: LlamaEngine, *, model_alias: str | None = None, manage_eng
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found, 500: crashed})
     app.state.api = api
-    return EngineHeader(app)
+    return EngineHeader(app, ENGINE_NAME)

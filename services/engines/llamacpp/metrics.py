@@ -6,39 +6,13 @@ metric, so dashboards written for it keep working.
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from shared.prometheus import Histogram, family
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
-
-
-@dataclass
-class Histogram:
-    buckets: Sequence[float]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    n: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.n += 1
-
-    def quantile(self, q: float) -> float:
-        """Upper bucket bound holding the q-quantile (inf past the last bucket)."""
-        if self.n == 0:
-            return 0.0
-        rank, seen = q * self.n, 0
-        for i, c in enumerate(self.counts):
-            seen += c
-            if seen >= rank:
-                return self.buckets[i] if i < len(self.buckets) else float("inf")
-        return float("inf")
 
 
 @dataclass
@@ -65,20 +39,12 @@ def render_prometheus(
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_: str, value: float) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
+        family(lines, name, kind, help_)
         lines.append(f"{name}{{{lab}}} {value:g}")
 
     def histogram(name: str, help_: str, h: Histogram) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} histogram")
-        cumulative = 0
-        for bound, count in zip([*h.buckets, float("inf")], h.counts):
-            cumulative += count
-            le = "+Inf" if bound == float("inf") else f"{bound:g}"
-            lines.append(f'{name}_bucket{{{lab},le="{le}"}} {cumulative}')
-        lines.append(f"{name}_sum{{{lab}}} {h.total:g}")
-        lines.append(f"{name}_count{{{lab}}} {h.n}")
+        family(lines, name, "histogram", help_)
+        lines.extend(h.lines(name, lab))
 
     gauge: Callable[[str, str, float], None] = lambda n, h, v: metric(n, "gauge", h, v)  # noqa: E731
     counter: Callable[[str, str, float], None] = lambda n, h, v: metric(n, "counter", h, v)  # noqa: E731

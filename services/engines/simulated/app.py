@@ -24,15 +24,15 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from services.engines.simulated import synthetic
 from services.engines.simulated.config import EngineConfig
 from services.engines.simulated.driver import Generation, RealTimeDriver
 from services.engines.simulated.lifecycle import EngineState, Lifecycle, LifecycleError
 from services.engines.simulated.metrics import EngineSnapshot, EngineStats, render_llamacpp, render_vllm
+from shared.engine_asgi import RAW_SEND_KEY, EngineHeader
 from shared.openai_protocol import (
-    ENGINE_HEADER,
     SSE_DONE,
     APIError,
     AssistantMessage,
@@ -62,7 +62,6 @@ from simulation.prefix_cache import block_hashes
 log = logging.getLogger(__name__)
 
 _TOKEN_MARK = "@@modelpool-token@@"
-RAW_SEND_KEY = "modelpool.raw_send"
 
 
 # --------------------------------------------------------------------------- streaming
@@ -174,29 +173,6 @@ class TokenStream:
 
 
 # --------------------------------------------------------------------------- server
-
-
-class HeaderMiddleware:
-    """Names the simulated engine on every response."""
-
-    def __init__(self, app: ASGIApp, engine: str) -> None:
-        self.app = app
-        self.header = (ENGINE_HEADER.encode(), engine.encode())
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        header = self.header
-        scope[RAW_SEND_KEY] = send
-
-        async def send_with_header(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], header]
-            await send(message)
-
-        await self.app(scope, receive, send_with_header)
 
 
 class EngineServer:
@@ -548,7 +524,7 @@ def create_app(config: EngineConfig) -> Starlette:
     app = Starlette(
         routes=server.routes(),
         lifespan=server.lifespan,
-        middleware=[Middleware(HeaderMiddleware, engine=server.engine)],
+        middleware=[Middleware(EngineHeader, engine=server.engine)],
         exception_handlers={APIError: _api_error, HTTPException: _http_error},
     )
     app.state.server = server

@@ -10,9 +10,9 @@ in simulated seconds (wall-clock seconds times the speed-up).
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from shared.prometheus import Histogram, family
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -21,36 +21,6 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
-
-
-class Histogram:
-    """Cumulative-bucket histogram; `observe` is one bisect."""
-
-    __slots__ = ("bounds", "counts", "sum", "count")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def lines(self, name: str, labels: str) -> list[str]:
-        sep = "," if labels else ""
-        out: list[str] = []
-        running = 0
-        for bound, n in zip(self.bounds, self.counts):
-            running += n
-            out.append(f'{name}_bucket{{{labels}{sep}le="{bound}"}} {running}')
-        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
-        wrap = f"{{{labels}}}" if labels else ""
-        out.append(f"{name}_sum{wrap} {self.sum}")
-        out.append(f"{name}_count{wrap} {self.count}")
-        return out
 
 
 @dataclass
@@ -97,32 +67,27 @@ class EngineSnapshot:
     speedup: float
 
 
-def _family(out: list[str], name: str, kind: str, help_text: str) -> None:
-    out.append(f"# HELP {name} {help_text}")
-    out.append(f"# TYPE {name} {kind}")
-
-
 def render_vllm(stats: EngineStats, snap: EngineSnapshot) -> str:
     labels = f'engine="0",model_name="{snap.model}"'
     out: list[str] = []
 
     def gauge(name: str, help_text: str, value: float) -> None:
-        _family(out, name, "gauge", help_text)
+        family(out, name, "gauge", help_text)
         out.append(f"{name}{{{labels}}} {value}")
 
     def counter(name: str, help_text: str, value: float) -> None:
-        _family(out, name, "counter", help_text)
+        family(out, name, "counter", help_text)
         out.append(f"{name}_total{{{labels}}} {value}")
 
     def histogram(name: str, help_text: str, h: Histogram) -> None:
-        _family(out, name, "histogram", help_text)
+        family(out, name, "histogram", help_text)
         out.extend(h.lines(name, labels))
 
     gauge("vllm:num_requests_running", "Number of requests in model execution batches.", snap.running)
     gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", snap.waiting + snap.deferred)
     kv = snap.kv_used_tokens / snap.kv_total_tokens if snap.kv_total_tokens else 0.0
     gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv)
-    _family(out, "vllm:engine_sleep_state", "gauge",
+    family(out, "vllm:engine_sleep_state", "gauge",
             "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
             "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.")
     for state in ("awake", "weights_offloaded", "discard_all"):
@@ -134,7 +99,7 @@ def render_vllm(stats: EngineStats, snap: EngineSnapshot) -> str:
     counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", snap.preemptions)
     counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
     counter("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
-    _family(out, "vllm:request_success", "counter", "Count of successfully processed requests.")
+    family(out, "vllm:request_success", "counter", "Count of successfully processed requests.")
     for reason, n in stats.requests_finished.items():
         out.append(f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} {n}')
     histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", stats.ttft)
@@ -151,7 +116,7 @@ def render_llamacpp(stats: EngineStats, snap: EngineSnapshot) -> str:
 
     def metric(kind: str, name: str, help_text: str, value: float) -> None:
         full = f"llamacpp:{name}"
-        _family(out, full, kind, help_text)
+        family(out, full, kind, help_text)
         out.append(f"{full} {value}")
 
     prompt_s = stats.prefill_sim_s
@@ -178,7 +143,7 @@ def render_llamacpp(stats: EngineStats, snap: EngineSnapshot) -> str:
 
 def _simulator_lines(out: list[str], stats: EngineStats, snap: EngineSnapshot) -> None:
     def one(kind: str, name: str, help_text: str, value: float, labels: str = "") -> None:
-        _family(out, name, kind, help_text)
+        family(out, name, kind, help_text)
         out.append(f"{name}{{{labels}}} {value}" if labels else f"{name} {value}")
 
     one("gauge", "modelpool_sim_info", "A simulated engine: no real inference happens here.", 1,
