@@ -23,7 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "projector": ("services.ops.projector", "keep the read models in Postgres up to date with the log"),
     "status": ("services.ops.status", "show workers, aliases, routing states and instances"),
     "history": ("services.ops.history", "show an alias's timeline from the event log"),
-    "replay": ("services.ops.replay", "rebuild projections from the log and compare with the live ones"),
+    "replay": ("services.ops.replay", "rebuild projections from the log and compare them; --verify-decisions re-runs decisions"),
+    "load": ("services.ops.load", "steady concurrent load on an alias, to watch the pool respond"),
     "sim": ("simulation.cli", "offline decode simulator: generate, run, compare, truncate, fluid-limit"),
     "engine": ("services.engines.cli", "run an inference engine: `engine llama.cpp` or `engine sim`"),
 }
@@ -52,6 +53,28 @@ def main(argv: list[str] | None = None) -> int:
         # A configuration problem is the user's to fix: say which field, where, and stop.
         print(f"modelpool {name}: configuration error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        problem = database_problem(exc)
+        if problem is None:
+            raise
+        print(f"modelpool {name}: {problem}", file=sys.stderr)
+        return 2
+
+
+def database_problem(exc: BaseException) -> str | None:
+    """One line for the database problems an operator meets (no schema, no server), else None."""
+    import asyncpg
+
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError)):
+            return (f"this database has no modelpool schema ({cause}); run `modelpool migrate`, or point "
+                    "DATABASE_URL and MODELPOOL_NAMESPACE at a modelpool cluster (`make run` starts one)")
+        if isinstance(cause, (ConnectionRefusedError, asyncpg.CannotConnectNowError, asyncpg.InvalidCatalogNameError)):
+            return (f"cannot reach the database ({cause}); is the cluster running? `make run` starts one, "
+                    "or set DATABASE_URL")
+        cause = getattr(cause, "orig", None) or cause.__cause__ or cause.__context__
+    return None
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.bus.jetstream import Consumer, connect, ensure_streams
 from shared.bus.subjects import Subjects
+from shared.bus.telemetry import TelemetryBus
 from shared.contracts.commands import command_registry
 from shared.contracts.events import event_registry
 from shared.contracts.messages import Envelope, Registry
@@ -47,6 +48,7 @@ class ServiceContext:
     events: Registry
     commands: Registry
     broker: NatsBroker
+    telemetry_bus: TelemetryBus
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def consume(self, *consumers: Consumer) -> None:
@@ -58,6 +60,8 @@ class ServiceContext:
         # Stop taking messages before the service's own shutdown, so nothing new
         # starts while it is releasing what it holds.
         await self.broker.stop()
+        for consumer in consumers:
+            await consumer.stop()
 
     async def record(self, *events: Envelope, expected_version: int = -1) -> list[Envelope]:
         """Append events of one stream to the log, carrying the current trace context."""
@@ -78,6 +82,8 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
     js = nc.jetstream()
     subjects = Subjects(settings.namespace)
     await ensure_streams(js, subjects)
+    telemetry_bus = TelemetryBus(nc, js, subjects)
+    await telemetry_bus.ensure()
     # Per-message lines at DEBUG: a busy service would otherwise log every message it handles.
     broker = NatsBroker(settings.nats_url, logger=logging.getLogger(f"modelpool.{name}.bus"), log_level=logging.DEBUG)
     stack.push_async_callback(broker.stop)
@@ -93,6 +99,7 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
         events=events,
         commands=command_registry(),
         broker=broker,
+        telemetry_bus=telemetry_bus,
     )
 
 

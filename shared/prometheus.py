@@ -1,9 +1,12 @@
-"""Prometheus text exposition: histograms and metric family headers, shared by the engines' /metrics."""
+"""Prometheus text exposition: histograms and metric family headers, shared by the engines' /metrics;
+and the parser the worker reads them back with."""
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class Histogram:
@@ -41,3 +44,41 @@ def family(out: list[str], name: str, kind: str, help_text: str) -> None:
     """The HELP and TYPE lines that open a metric family."""
     out.append(f"# HELP {name} {help_text}")
     out.append(f"# TYPE {name} {kind}")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One sample line of the text exposition: `name{labels} value`."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)(?:[ \t]+\S+)?[ \t]*$")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+_ESCAPE = re.compile(r"\\(.)")
+
+
+def parse_samples(text: str) -> list[Sample]:
+    """The samples of a Prometheus text exposition; comments and lines that are not samples are skipped."""
+    samples: list[Sample] = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        name, labels, value = match.groups()
+        try:
+            number = float(value)  # also "+Inf", "-Inf", "NaN"
+        except ValueError:
+            continue
+        found = {k: _ESCAPE.sub(_unescape, v) for k, v in _LABEL.findall(labels or "")}
+        samples.append(Sample(name, found, number))
+    return samples
+
+
+def _unescape(match: re.Match[str]) -> str:
+    """A label value's escapes: \\\\, \\" and \\n."""
+    return "\n" if match.group(1) == "n" else match.group(1)

@@ -7,9 +7,11 @@ anywhere else; a process builds one `Settings` and passes it down.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -32,6 +34,14 @@ ENVIRONMENT = {
     "worker_slots": "MODELPOOL_WORKER_SLOTS",
     "worker_sim_speedup": "MODELPOOL_WORKER_SIM_SPEEDUP",
     "worker_health_timeout_s": "MODELPOOL_WORKER_HEALTH_TIMEOUT_S",
+    "worker_report_interval_s": "MODELPOOL_WORKER_REPORT_INTERVAL_S",
+    "worker_log_dir": "MODELPOOL_WORKER_LOG_DIR",
+    "gateway_id": "MODELPOOL_GATEWAY_ID",
+    "metric_window_s": "MODELPOOL_METRIC_WINDOW_S",
+    "hold_timeout_s": "MODELPOOL_HOLD_TIMEOUT_S",
+    "hold_keepalive_s": "MODELPOOL_HOLD_KEEPALIVE_S",
+    "control_tick_s": "MODELPOOL_CONTROL_TICK_S",
+    "worker_timeout_s": "MODELPOOL_WORKER_TIMEOUT_S",
     "otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
     "service_name": "OTEL_SERVICE_NAME",
 }
@@ -52,6 +62,22 @@ class Settings(BaseModel):
     worker_sim_speedup: float = Field(default=1.0, gt=0)
     """Simulated engines run this many times faster than real time (tests use large values)."""
     worker_health_timeout_s: float = Field(default=180.0, gt=0)
+    worker_report_interval_s: float = Field(default=1.0, gt=0)
+    """How often a worker reads its engines' status and sends its heartbeat."""
+    worker_log_dir: str | None = None
+    """Where a worker keeps its engines' output (default: a directory under the system's temp dir)."""
+    gateway_id: str | None = None
+    """Names this gateway replica in its metric windows (default: host and process id)."""
+    metric_window_s: float = Field(default=2.0, gt=0)
+    """Length of the gateway's metric windows (seed 000 §6)."""
+    hold_timeout_s: float = Field(default=120.0, gt=0)
+    """Longest a request waits for a cold alias to start; the alias's measured start time sets it below this."""
+    hold_keepalive_s: float = Field(default=5.0, gt=0)
+    """How often a held stream gets an SSE comment, so clients and proxies keep the connection."""
+    control_tick_s: float = Field(default=1.0, gt=0)
+    """How often the autoscaler decides for every alias (demand on a cold alias does not wait for it)."""
+    worker_timeout_s: float = Field(default=10.0, gt=0)
+    """A worker silent this long is recorded as lost."""
     otlp_endpoint: str | None = None
     service_name: str = "modelpool"
 
@@ -70,9 +96,11 @@ class Settings(BaseModel):
         return value
 
     @classmethod
-    def load(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> "Settings":
+    def load(cls, environ: Mapping[str, str] | None = None, *, discover: bool = False, **explicit: Any) -> "Settings":
+        """Defaults, then (with `discover`) the local cluster's file, then the environment, then `explicit`."""
         environ = os.environ if environ is None else environ
-        values = {field: environ[name] for field, name in ENVIRONMENT.items() if environ.get(name)}
+        values: dict[str, Any] = {k: v for k, v in local_cluster(environ).items() if k != "gateway"} if discover else {}
+        values.update({field: environ[name] for field, name in ENVIRONMENT.items() if environ.get(name)})
         values.update({k: v for k, v in explicit.items() if v is not None})
         try:
             return cls.model_validate(values)
@@ -90,3 +118,27 @@ class Settings(BaseModel):
     @property
     def sqlalchemy_url(self) -> str:
         return re.sub(r"^postgres(ql)?(\+asyncpg)?://", "postgresql+asyncpg://", self.database_url)
+
+
+# --------------------------------------------------------------------------- the local cluster
+
+CLUSTER_FILE = "cluster.json"
+"""Written by `modelpool up` into its data directory while it runs: where its servers are."""
+
+
+def data_dir(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get("MODELPOOL_DATA_DIR") or ".modelpool")
+
+
+def local_cluster(environ: Mapping[str, str]) -> dict[str, str]:
+    """The servers of the `modelpool up` running from here (its data directory), or nothing.
+
+    This is what lets an operator type `modelpool status` in a second terminal
+    with no settings at all and reach the cluster `make run` started.
+    """
+    try:
+        found = json.loads((data_dir(environ) / CLUSTER_FILE).read_text())
+        os.kill(int(found["pid"]), 0)  # still running?
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {key: found[key] for key in ("database_url", "nats_url", "namespace", "gateway") if found.get(key)}

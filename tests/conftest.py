@@ -151,7 +151,7 @@ async def bus(settings: Settings) -> AsyncIterator[Bus]:
     subjects = Subjects(settings.namespace)
     await ensure_streams(js, subjects)
     yield Bus(nc, js, subjects)
-    for stream in (subjects.events_stream, subjects.commands_stream, subjects.dlq_stream):
+    for stream in subjects.all_streams:
         try:
             await js.delete_stream(stream)
         except Exception:

@@ -20,6 +20,20 @@ async def eventually(predicate, timeout: float = 10.0, interval: float = 0.05):
         await asyncio.sleep(interval)
 
 
+async def fetch(sub, n: int, timeout: float = 10.0) -> list:
+    """Up to `n` messages from a pull subscription within `timeout`, acked."""
+    got = []
+    deadline = asyncio.get_running_loop().time() + timeout
+    while len(got) < n and asyncio.get_running_loop().time() < deadline:
+        try:
+            got += await sub.fetch(n - len(got), timeout=0.5)
+        except Exception:
+            pass
+    for m in got:
+        await m.ack()  # unacked, a consumer would stop at its max_ack_pending
+    return got
+
+
 class ServiceProcess:
     """A `modelpool <command>` child process whose output goes to a log file."""
 

@@ -8,7 +8,7 @@ import asyncpg
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from helpers import consuming, eventually
+from helpers import consuming, eventually, fetch
 from shared.bus import subjects as h
 from shared.bus.jetstream import Consumer, publish
 from shared.bus.relay import Relay
@@ -28,17 +28,7 @@ def probe(worker: str = "w1", n: int = 0) -> Envelope:
 
 
 async def collect(bus, subject: str, n: int, timeout: float = 10.0) -> list:
-    sub = await bus.js.pull_subscribe(subject, durable=None, stream=None)
-    got = []
-    deadline = asyncio.get_running_loop().time() + timeout
-    while len(got) < n and asyncio.get_running_loop().time() < deadline:
-        try:
-            got += await sub.fetch(n - len(got), timeout=0.5)
-        except Exception:
-            pass
-    for m in got:
-        await m.ack()
-    return got
+    return await fetch(await bus.js.pull_subscribe(subject, durable=None, stream=None), n, timeout)
 
 
 async def test_relay_publishes_committed_events_once_in_order(store, bus, settings, telemetry):

@@ -123,7 +123,7 @@ async def test_projector_builds_the_read_models(store, settings):
     assert last == projector.position and count == applied
     report = await replay(settings)
     assert report.consistent, [d.describe() for d in report.differences]
-    assert report.rows == {"routing": 1, "instances": 2, "sessions": 1, "workers": 2}
+    assert report.rows == {"routing": 1, "instances": 2, "sessions": 1, "workers": 2, "control": 1}
 
 
 def _cli(settings, *args: str) -> subprocess.CompletedProcess:

@@ -1,11 +1,10 @@
-"""The services as real processes: crash safety of the relay and projector, and the command path end to end."""
+"""The services as real processes: crash safety of the relay and projector, and a request end to end from COLD."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import signal
-import uuid
 
 import httpx
 import openai
@@ -14,9 +13,6 @@ from sqlalchemy import text
 from helpers import ServiceProcess, eventually
 from services.ops.replay import replay
 from shared.bus import subjects as h
-from shared.bus.jetstream import publish
-from shared.contracts.backends import BackendType, EngineKind
-from shared.contracts.commands import PlaceInstance
 from shared.contracts.events import SessionBound, SessionMigrated
 from shared.contracts.messages import Envelope
 from shared.net import free_port
@@ -125,12 +121,12 @@ POOL = """
 aliases:
   - alias: tiny
     backends:
-      llama.cpp: {model_name: tiny, model_path: default, gpu_memory_gb: 0, min_replicas: 1, max_replicas: 2, engine: simulator}
+      llama.cpp: {model_name: tiny, model_path: default, gpu_memory_gb: 0, min_replicas: 0, max_replicas: 2, engine: simulator}
       vllm: {model_name: tiny, model_path: /models/tiny, gpu_memory_gb: 12, max_replicas: 1, max_model_len: 4096, engine: simulator}
 """
 
 
-async def test_a_request_flows_from_placement_to_a_worker_engine_and_through_the_gateway(store, bus, settings, tmp_path):
+async def test_a_request_on_a_cold_alias_is_held_the_controller_starts_an_instance_and_it_answers(store, bus, settings, tmp_path):
     pool = tmp_path / "pool.yaml"
     pool.write_text(POOL)
     port = free_port()
@@ -152,27 +148,19 @@ async def test_a_request_flows_from_placement_to_a_worker_engine_and_through_the
             assert card["id"] == "tiny" and card["simulated"] is True
             assert "simulated-llama.cpp" in card["engine"] and "simulated-vllm" in card["engine"]
 
-            cold = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
-            assert cold.status_code == 503 and cold.json()["error"]["code"] == "no_instance"
+            await eventually(lambda: store.stream_version("worker:w1"), timeout=60)  # registered, so placeable
+            # Nothing serves `tiny` yet: the request is held, the controller starts an instance, and it is answered.
+            cold = asyncio.create_task(client.post("/v1/chat/completions", timeout=60,
+                                                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}))
             unknown = await client.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
             assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
             bad = await client.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
             assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
 
-            request_id = uuid.uuid4()
-            place = PlaceInstance(request_id=request_id, instance_id="tiny-fast-1", alias="tiny",
-                                  backend_type=BackendType.LLAMA_CPP, engine=EngineKind.SIMULATOR, model_name="tiny",
-                                  model_path="default", gpu_memory_gb=0, reason="test")
-            from shared.telemetry import Telemetry
-
-            await publish(bus.js, bus.subjects.placement_commands, Envelope.wrap(place), Telemetry("test"))
-
-            async def serving():
-                response = await client.post("/v1/chat/completions",
-                                             json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
-                return response.status_code == 200
-
-            await eventually(serving, timeout=60)
+            answered = await cold
+            assert answered.status_code == 200
+            instance = answered.headers["x-modelpool-instance"]
+            assert instance.startswith("tiny-fast-")
 
         sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")
         raw = await sdk.chat.completions.with_raw_response.create(
@@ -180,15 +168,21 @@ async def test_a_request_flows_from_placement_to_a_worker_engine_and_through_the
         completion = raw.parse()
         assert completion.choices[0].message.content and completion.usage.completion_tokens <= 8
         assert raw.headers["x-modelpool-engine"] == "simulated-llama.cpp"
-        assert raw.headers["x-modelpool-instance"] == "tiny-fast-1"
+        assert raw.headers["x-modelpool-instance"] == instance
         chunks = [c async for c in await sdk.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Count"}], max_tokens=5, stream=True)]
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         await sdk.close()
 
+        async def cold_start_recorded():  # at the controller's first tick after the instance runs
+            return "ColdStartCompleted" in [e.type for e in await store.history("tiny")]
+
+        await eventually(cold_start_recorded, timeout=10)
         history = [e.type for e in await store.history("tiny")]
         assert history[:1] == ["AliasConfigured"]
-        assert {"PlacementRequested", "PlacementDecided", "InstanceStateChanged", "InstanceCommandCompleted"} <= set(history)
+        assert {"PolicyDecided", "RoutingStateChanged", "PlacementRequested", "PlacementDecided", "InstanceStateChanged",
+                "InstanceCommandCompleted", "ColdStartCompleted"} <= set(history)
+        assert history.count("PlacementDecided") == 1  # the cold request started one instance
         decided = next(e for e in await store.history("tiny") if e.type == "PlacementDecided")
         assert decided.payload["worker_id"] == "w1" and decided.payload["fallback_level"] == 1
     finally:

@@ -3,36 +3,51 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
-import httpx
 import uvicorn
 
-from services.gateway.app import create_app
+from services.gateway.app import Gateway, create_app, upstream_client
 from services.runtime import ServiceContext, run_service
+from shared.contracts.config import PoolConfig, load_pool_config
 from shared.projections.live import LiveView
 from shared.projections.readmodels import INSTANCES, ROUTING
 
+GRACEFUL_SHUTDOWN_S = 10.0
 
-async def serve(ctx: ServiceContext) -> None:
+
+async def serve(ctx: ServiceContext, pool: PoolConfig | None = None) -> None:
     view = LiveView(ctx.store, ctx.engine, [ROUTING, INSTANCES])
     await view.load()
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1000)) as client:
+    async with upstream_client() as client:
+        gateway = Gateway(ctx.settings, view, client, ctx.telemetry_bus, pool)
+        await gateway.start()
         server = uvicorn.Server(
             uvicorn.Config(
-                create_app(view, client), host=ctx.settings.gateway_host, port=ctx.settings.gateway_port,
+                create_app(gateway), host=ctx.settings.gateway_host, port=ctx.settings.gateway_port,
                 log_level="warning", access_log=False, lifespan="off",
+                # Held requests and long streams would otherwise keep a stopping gateway up for minutes.
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             )
         )
         # The service's own signal handling decides when to stop; uvicorn only serves.
-        server.install_signal_handlers = lambda: None
+        server.capture_signals = contextlib.nullcontext
 
         async def stop_server() -> None:
             await ctx.stop.wait()
             server.should_exit = True
 
-        print(f"gateway listening on http://{ctx.settings.gateway_host}:{ctx.settings.gateway_port}/v1", flush=True)
-        await asyncio.gather(server.serve(), view.follow(ctx.nc, ctx.subjects, ctx.stop), stop_server())
+        print(f"gateway {gateway.gateway_id} listening on http://{ctx.settings.gateway_host}:{ctx.settings.gateway_port}/v1",
+              flush=True)
+        await asyncio.gather(server.serve(), view.follow(ctx.nc, ctx.subjects, ctx.stop),
+                             gateway.publish_windows(ctx.stop), stop_server())
 
 
 def main(argv: list[str]) -> int:
-    return run_service("gateway", serve)
+    from shared.settings import Settings
+
+    settings = Settings.load()
+    # The pool file, when there is one, names the aliases to hold requests for while the
+    # controller starts; a bad file fails fast, before connecting to anything.
+    pool = load_pool_config(settings.config_path) if settings.config_path else None
+    return run_service("gateway", lambda ctx: serve(ctx, pool), settings)

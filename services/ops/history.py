@@ -2,7 +2,8 @@
 
 Every routing switch, mix step, scaling target, placement, instance transition,
 command outcome and session binding that names the alias, with its time, reason
-and the inputs recorded with it.
+and the inputs recorded with it. `--plot FILE.png` draws the same range as a
+figure instead (`services/ops/timeline.py`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import asyncio
 import json
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from shared.contracts.events import event_registry
@@ -34,8 +36,11 @@ def summarize(e: Envelope) -> str:
     if t == "MixWeightChanged":
         return f"mix {p['from_weight']:.0%} -> {p['to_weight']:.0%} to vLLM: {p['reason']}"
     if t == "ScalingTargetsChanged":
-        targets = ", ".join(f"{k}={v}" for k, v in p["targets"].items())
-        return f"targets {targets}: {p['reason']}"
+        return f"targets {p['reason']}"
+    if t == "PolicyDecided":
+        return f"decided by {p['policy']} v{p['policy_version']}: {p['summary']}"
+    if t == "ColdStartCompleted":
+        return f"cold start: {p['backend_type']} instance {p['instance_id']} serving {p['duration_s']:.1f} s after the first demand"
     if t == "AliasConfigured":
         backends = ", ".join(p["config"]["backends"])
         return f"configured with backends {backends}"
@@ -62,7 +67,21 @@ def summarize(e: Envelope) -> str:
 
 
 def inputs_of(e: Envelope) -> dict[str, Any]:
-    """The recorded inputs of a decision: metric snapshot, policy state, placement candidates."""
+    """The recorded inputs of a decision: metric window, instances and commands in flight, candidates.
+
+    (A `PolicyDecided` carries its whole snapshot; `--json` prints it all.)
+    """
+    if e.type == "PolicyDecided":
+        snapshot = e.payload["snapshot"]
+        inputs: dict[str, Any] = {
+            "instances": [f"{i['instance_id']} {i['state']} inflight {i['inflight']}/{i['capacity']}"
+                          for i in snapshot["instances"]],
+        }
+        if snapshot["pending"]:
+            inputs["in flight"] = [f"{c['action']} {c['instance_id']}" for c in snapshot["pending"]]
+        if snapshot["demand"]:
+            inputs["held at gateways"] = snapshot["demand"]
+        return inputs
     keys = ("metrics", "inputs", "candidates")
     return {k: e.payload[k] for k in keys if e.payload.get(k)}
 
@@ -80,9 +99,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("alias")
     parser.add_argument("--since", type=_when, help="ISO time, e.g. 2026-11-22T10:00:00Z")
     parser.add_argument("--until", type=_when, help="ISO time")
-    parser.add_argument("--json", action="store_true", help="one JSON object per event")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="one JSON object per event")
+    output.add_argument("--plot", metavar="FILE.png", type=Path,
+                        help="draw routing, mix, instances, load and latency over the range into an image")
     args = parser.parse_args(argv)
-    events = asyncio.run(load_history(Settings.load(), args.alias, args.since, args.until))
+    settings = Settings.load(discover=True)
+    if args.plot:
+        from services.ops.timeline import plot_history  # matplotlib only for those who plot
+
+        return plot_history(settings, args.alias, args.since, args.until, args.plot)
+    events = asyncio.run(load_history(settings, args.alias, args.since, args.until))
     if args.json:
         for e in events:
             print(

@@ -1,5 +1,8 @@
 """`modelpool replay`: rebuild every read model from the log and compare with the live one.
 
+With `--verify-decisions [ALIAS]` it re-runs every recorded decision through the
+policy code instead (services/ops/verify.py) and reports each that differs.
+
 The rebuild goes into a scratch schema created by the same migrations, up to the
 position the live projections say they are at, and is read back through the same
 code as the live rows, so equal means equal. Any difference is printed and the
@@ -25,6 +28,7 @@ from shared.eventlog.store import make_store
 from shared.projections.projector import load_position, load_rows, rebuild, write_all
 from shared.projections.readmodels import ALL_PROJECTIONS, Projection, Rows
 from shared.settings import Settings
+from services.ops.verify import Mismatch, verify_decisions
 
 
 @dataclass(frozen=True)
@@ -110,12 +114,39 @@ async def replay(settings: Settings, *, keep_scratch: bool = False) -> ReplayRep
         await live_engine.dispose()
 
 
+async def verify(settings: Settings, alias: str | None) -> tuple[int, list[Mismatch]]:
+    engine = create_engine(settings, pool_size=2)
+    try:
+        registry = event_registry()
+        return await verify_decisions(make_store(engine, registry, settings.namespace), registry, alias)
+    finally:
+        await engine.dispose()
+
+
+def main_verify(settings: Settings, alias: str | None, as_json: bool) -> int:
+    checked, mismatches = asyncio.run(verify(settings, alias))
+    if as_json:
+        print(json.dumps({"checked": checked, "mismatches": [m.describe() for m in mismatches]}, indent=2))
+    elif mismatches:
+        print(f"{len(mismatches)} of {checked} recorded decision(s) differ from what the policy code decides:", file=sys.stderr)
+        for m in mismatches:
+            print("  " + m.describe(), file=sys.stderr)
+    else:
+        print(f"verified: the policy code makes each of the {checked} recorded decision(s) again, field for field")
+    return 1 if mismatches else 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="modelpool replay", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--keep-scratch", action="store_true", help="leave the scratch schema for inspection")
+    parser.add_argument("--verify-decisions", nargs="?", const="", metavar="ALIAS", default=None,
+                        help="re-run every recorded decision (of ALIAS, or all) through the policy code; exit 1 on any difference")
     args = parser.parse_args(argv)
-    report = asyncio.run(replay(Settings.load(), keep_scratch=args.keep_scratch))
+    settings = Settings.load(discover=True)
+    if args.verify_decisions is not None:
+        return main_verify(settings, args.verify_decisions or None, args.json)
+    report = asyncio.run(replay(settings, keep_scratch=args.keep_scratch))
     if args.json:
         print(
             json.dumps(

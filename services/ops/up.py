@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -45,6 +46,9 @@ SERVICES: tuple[str, ...] = ("relay", "projector", "placement", "autoscaler", "w
 # The pool `make run` serves when no configuration is named: the default model
 # on real llama.cpp, with the simulator standing in for vLLM.
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "pool.yaml"
+
+SIMULATED_GPU_MEMORY_GB = 24
+"""What the local worker offers when MODELPOOL_WORKER_GPU_MEMORY_GB does not say: the simulator's GPU."""
 
 # Every process `up` starts, and everything those start, inherits this
 # variable; the final sweep finds stragglers by it, whatever session they are in.
@@ -326,9 +330,26 @@ def banner(args: argparse.Namespace, nats: tuple[str, str], postgres: tuple[str,
         f"  Postgres  {redact(postgres[0])}   ({postgres[1]})",
         f"  services  {', '.join(args.services)}",
         *(f"  {line}" for line in engine_lines(env)),
+        f"  worker    offers {env['MODELPOOL_WORKER_GPU_MEMORY_GB']} GB of GPU memory"
+        + (" (simulated: no GPU here)" if env["MODELPOOL_WORKER_GPU_MEMORY_GB"] == str(SIMULATED_GPU_MEMORY_GB) else ""),
+        "  watch     modelpool status | modelpool history ALIAS | modelpool load ALIAS   (from this directory)",
         "  Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
+
+
+def announce_cluster(directory: Path, env: dict[str, str]) -> Path:
+    """Say where this cluster's servers are, for operator commands run from the same place."""
+    from shared.settings import CLUSTER_FILE
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / CLUSTER_FILE
+    path.write_text(json.dumps({
+        "pid": os.getpid(), "database_url": env["DATABASE_URL"], "nats_url": env["NATS_URL"],
+        "namespace": env.get("MODELPOOL_NAMESPACE") or "modelpool",
+        "gateway": f"http://{LOCALHOST}:{env['MODELPOOL_GATEWAY_PORT']}/v1",
+    }, indent=2) + "\n")
+    return path
 
 
 def supervise(children: Children, shutdown: ShutdownRequest, output: Output, health_url: str | None) -> int:
@@ -373,6 +394,9 @@ def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> 
                 env["MODELPOOL_CONFIG"] = str(DEFAULT_CONFIG)
             if args.namespace is not None:
                 env["MODELPOOL_NAMESPACE"] = args.namespace
+            # No GPU here: the local worker offers the memory the simulated vLLM models.
+            env.setdefault("MODELPOOL_WORKER_GPU_MEMORY_GB", str(SIMULATED_GPU_MEMORY_GB))
+            cluster_file = announce_cluster(args.data_dir, env)
             try:
                 output.line("up", "applying migrations")
                 migrated = children.run("migrate", service_argv("migrate"), env)
@@ -393,6 +417,7 @@ def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> 
                     output.line("up", f"{shutdown.signal_name or 'signal'} received; stopping services")
                 children.stop_all()
                 sweep(marker, output)
+                cluster_file.unlink(missing_ok=True)
                 output.line("up", "services stopped")
     except Interrupted:
         output.line("up", f"{shutdown.signal_name} received while starting; stopping")

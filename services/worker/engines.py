@@ -2,9 +2,11 @@
 
 One `EngineProcess` per instance: the real llama.cpp engine, the real
 `vllm serve` (sleep mode on), or the simulator standing in for either. Control
-goes through each engine's documented HTTP API — `/health`, `/metrics`, and for
-vLLM `POST /sleep?level=N`, `POST /wake_up`, `GET /is_sleeping` — so the worker
-drives a simulated vLLM exactly as it would drive a real one.
+goes through each engine's documented HTTP API — `/health`, `/metrics`,
+`/v1/models`, llama.cpp's `/slots`, and for vLLM `POST /sleep?level=N`,
+`POST /wake_up` — so the worker drives a simulated vLLM exactly as it would
+drive a real one. Each engine's stdout and stderr go to a log file of its
+instance, whose last lines say why an engine died.
 """
 
 from __future__ import annotations
@@ -16,15 +18,22 @@ import os
 import re
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
 
 import httpx
 
+from services.worker.status import METRIC_NAMES, EngineStatus, Scrape, StatusTracker, parse_scrape
 from shared.contracts.backends import BackendType, EngineKind
 from shared.contracts.commands import StartInstance
 from shared.net import free_port
 
 log = logging.getLogger(__name__)
+
+READ_TIMEOUT_S = 2.0
+"""For the worker's reads of an engine's state: one that takes longer is reported as not answering."""
 
 
 class EngineError(RuntimeError):
@@ -35,16 +44,43 @@ class EngineError(RuntimeError):
 class EngineOptions:
     """How this worker launches engines (worker-level settings, not per instance)."""
 
+    log_dir: Path
+    """Each engine's stdout and stderr go to `<log_dir>/<instance_id>.log`."""
     host: str = "127.0.0.1"
     sim_speedup: float = 1.0
     sim_startup_s: float | None = None
     llama_threads: int | None = None
     vllm_binary: str = "vllm"
-    health_timeout_s: float = 180.0
+
+
+def default_log_dir(worker_id: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"modelpool-worker-{worker_id}"
 
 
 def engine_argv(spec: StartInstance, port: int, options: EngineOptions) -> tuple[list[str], dict[str, str]]:
-    """The command line (and extra environment) that starts the engine for `spec`."""
+    """The command line (and extra environment) that starts the engine for `spec`.
+
+    Engines are told not to log a line per HTTP request: the worker reads their
+    /metrics every second, and their log is kept for its last lines, which must
+    say why an engine died.
+    """
+    argv, env = _base_argv(spec, port, options)
+    return argv + engine_flags(spec.engine_args), env
+
+
+def engine_flags(args: dict[str, str | int | float | bool]) -> list[str]:
+    """The alias's own engine arguments as flags: `{startup-s: 10, enforce-eager: true}` ->
+    `--startup-s 10 --enforce-eager` (a false flag is left out)."""
+    flags: list[str] = []
+    for name, value in args.items():
+        if value is True:
+            flags.append(f"--{name}")
+        elif value is not False:
+            flags += [f"--{name}", str(value)]
+    return flags
+
+
+def _base_argv(spec: StartInstance, port: int, options: EngineOptions) -> tuple[list[str], dict[str, str]]:
     env: dict[str, str] = {}
     modelpool = [sys.executable, "-m", "services.cli", "engine"]
     if spec.engine is EngineKind.SIMULATOR:
@@ -56,7 +92,8 @@ def engine_argv(spec: StartInstance, port: int, options: EngineOptions) -> tuple
             argv += ["--max-model-len", str(spec.max_model_len)]
         return argv, env
     if spec.engine is EngineKind.LLAMA_CPP:
-        argv = modelpool + ["llama.cpp", "--host", options.host, "--port", str(port), "--model-alias", spec.alias]
+        argv = modelpool + ["llama.cpp", "--host", options.host, "--port", str(port), "--model-alias", spec.alias,
+                            "--log-level", "warning"]
         if spec.model_path and spec.model_path != "default":
             argv += ["--model", spec.model_path]
         if options.llama_threads:
@@ -65,7 +102,7 @@ def engine_argv(spec: StartInstance, port: int, options: EngineOptions) -> tuple
     # The real vLLM server. Its sleep endpoints are only mounted in dev mode.
     env["VLLM_SERVER_DEV_MODE"] = "1"
     argv = [options.vllm_binary, "serve", spec.model_path, "--host", options.host, "--port", str(port),
-            "--served-model-name", spec.alias, "--enable-sleep-mode",
+            "--served-model-name", spec.alias, "--enable-sleep-mode", "--disable-uvicorn-access-log",
             "--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
@@ -80,18 +117,37 @@ class EngineProcess:
     endpoint: str
     process: asyncio.subprocess.Process
     client: httpx.AsyncClient = field(repr=False)
+    log_path: Path
+    log_start: int
+    """Where this process's output starts in its log file (an instance restarted after ERROR appends)."""
+    tracker: StatusTracker = field(repr=False)
+    capacity: int | None = None
+    stop_requested: bool = False
+    """The worker stopped it: its exit is no failure."""
 
     @property
     def alive(self) -> bool:
         return self.process.returncode is None
 
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.returncode
+
+    async def wait_exit(self) -> int:
+        return await self.process.wait()
+
     async def wait_healthy(self, timeout_s: float) -> None:
         deadline = asyncio.get_running_loop().time() + timeout_s
+        port = int(self.endpoint.rsplit(":", 1)[1])
         while True:
             if not self.alive:
-                raise EngineError(f"engine exited with code {self.process.returncode} while starting")
+                raise EngineError(f"engine exited with code {self.exit_code} while starting")
             with contextlib.suppress(httpx.HTTPError):
                 if (await self.client.get("/health", timeout=2.0)).status_code == 200:
+                    # The port was free when it was chosen, not necessarily when the engine
+                    # bound it: make sure the answer came from our engine, not a stranger.
+                    if listens_elsewhere(self.process.pid, port):
+                        raise EngineError(f"port {port} was taken by another process before the engine could bind it")
                     return
             if asyncio.get_running_loop().time() > deadline:
                 raise EngineError(f"engine not healthy after {timeout_s:.0f} s")
@@ -109,27 +165,113 @@ class EngineProcess:
 
     async def inflight(self) -> int:
         """Requests running or waiting, read from the engine's Prometheus metrics."""
-        text = (await self.client.get("/metrics", timeout=5.0)).text
-        total = 0.0
-        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                     "llamacpp:requests_processing", "llamacpp:requests_deferred",
-                     "modelpool_engine_requests_running", "modelpool_engine_requests_waiting"):
-            for match in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.MULTILINE):
-                total += float(match.group(1))
-        return int(total)
+        return (await self._scrape()).inflight
+
+    async def read_status(self) -> EngineStatus:
+        return self.tracker.observe(await self._scrape(), datetime.now(timezone.utc))
+
+    async def read_capacity(self) -> int:
+        """Concurrent requests the engine takes, asked once: it is fixed for the process's life.
+
+        llama.cpp: its sequence slots, as `/slots` lists them. vLLM: how many
+        requests of `max_model_len` tokens its KV cache holds at once, from
+        `vllm:cache_config_info` (num_gpu_blocks x block_size) and `/v1/models`.
+        """
+        if self.capacity is not None:
+            return self.capacity
+        try:
+            if self.backend_type is BackendType.LLAMA_CPP:
+                body = (await self._get("/slots")).json()
+                slots = body["slots"] if isinstance(body, dict) else body  # modelpool's engine wraps the list
+                capacity = len(slots)
+            else:
+                kv_tokens = (await self._scrape()).kv_cache_tokens
+                if kv_tokens is None:
+                    raise EngineError("/metrics has no vllm:cache_config_info with num_gpu_blocks and block_size")
+                max_model_len = int((await self._get("/v1/models")).json()["data"][0]["max_model_len"])
+                capacity = kv_tokens // max_model_len
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise EngineError(f"cannot read the engine's capacity: {exc!r}") from exc
+        if capacity <= 0:
+            raise EngineError(f"the engine reports a capacity of {capacity}")
+        self.capacity = capacity
+        return capacity
+
+    async def _scrape(self) -> Scrape:
+        text = (await self._get("/metrics")).text
+        return parse_scrape(text, METRIC_NAMES[self.backend_type], asyncio.get_running_loop().time())
+
+    async def _get(self, path: str) -> httpx.Response:
+        response = await self.client.get(path, timeout=READ_TIMEOUT_S)
+        if response.status_code != 200:
+            raise EngineError(f"GET {path} answered {response.status_code}: {response.text[:200]}")
+        return response
+
+    def log_tail(self, max_lines: int = 20, max_bytes: int = 4096) -> str:
+        """The last lines this process wrote to its log."""
+        try:
+            with open(self.log_path, "rb") as log_file:
+                end = log_file.seek(0, os.SEEK_END)
+                start = max(self.log_start, end - max_bytes)
+                log_file.seek(start)
+                lines = log_file.read(end - start).decode(errors="replace").splitlines()
+        except OSError as exc:
+            return f"(cannot read {self.log_path}: {exc.strerror})"
+        if start > self.log_start and len(lines) > 1:
+            lines = lines[1:]  # the first one is cut
+        return "\n".join(lines[-max_lines:])
 
     async def stop(self, grace_s: float = 10.0) -> None:
-        await self.client.aclose()
-        if not self.alive:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.process.wait(), grace_s)
-        except asyncio.TimeoutError:
+        self.stop_requested = True
+        if self.alive:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            await self.process.wait()
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.process.wait(), grace_s)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                await self.process.wait()
+        # Closed last: a call still in flight fails as a connection error, and a later
+        # one finds the process gone, rather than meeting a closed client.
+        await self.client.aclose()
+
+
+def listens_elsewhere(pid: int, port: int) -> bool:
+    """Whether the socket listening on `port` belongs to a process outside `pid`'s process group (Linux).
+
+    False when it cannot be told (no /proc): the health answer is then taken as it is.
+    """
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                        inodes.add(fields[9])
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    if not inodes:
+        return False
+    try:
+        group = os.getpgid(pid)
+    except ProcessLookupError:
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != group:
+                continue
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    return False
+        except (OSError, ProcessLookupError):
+            continue
+    return True
 
 
 def _die_with_parent() -> None:
@@ -154,14 +296,21 @@ class EngineLauncher:
         port = free_port(self.options.host)
         argv, extra_env = engine_argv(spec, port, self.options)
         log.info("starting %s engine for %s: %s", spec.engine.value, spec.instance_id, " ".join(argv))
+        log_path = self.options.log_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.instance_id)}.log"
         try:
-            process = await asyncio.create_subprocess_exec(
-                *argv, env={**os.environ, **extra_env}, start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-                stdin=asyncio.subprocess.DEVNULL,
-            )
+            self.options.log_dir.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as log_file:
+                log_file.write(f"--- {datetime.now(timezone.utc).isoformat()} modelpool worker: {' '.join(argv)}\n".encode())
+                log_file.flush()
+                log_start = log_file.tell()
+                process = await asyncio.create_subprocess_exec(
+                    *argv, env={**os.environ, **extra_env}, start_new_session=True,
+                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=asyncio.subprocess.STDOUT,
+                )
         except OSError as exc:
-            raise EngineError(f"cannot start {argv[0]}: {exc.strerror}") from exc
+            raise EngineError(f"cannot start {argv[0]}: {exc.strerror} ({exc.filename or log_path})") from exc
         endpoint = f"http://{self.options.host}:{port}"
         return EngineProcess(spec.instance_id, spec.backend_type, spec.engine, endpoint, process,
-                             httpx.AsyncClient(base_url=endpoint))
+                             httpx.AsyncClient(base_url=endpoint), log_path, log_start,
+                             StatusTracker(asyncio.get_running_loop().time()))

@@ -1,4 +1,4 @@
-"""`modelpool worker`: register this machine, execute its instance commands, report facts."""
+"""`modelpool worker`: register this machine, execute its instance commands, report facts and heartbeats."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ import importlib.util
 import re
 import shutil
 import socket
+from pathlib import Path
+
+from nats.js import JetStreamContext
 
 from services.runtime import ServiceContext, run_service
-from services.worker.engines import EngineLauncher, EngineOptions
+from services.worker.engines import EngineLauncher, EngineOptions, default_log_dir
 from services.worker.service import Worker
 from shared.bus.jetstream import Consumer
+from shared.bus.subjects import Subjects
 from shared.contracts.backends import EngineKind
 from shared.contracts.commands import InstanceCommand
-from shared.contracts.messages import Contract, Envelope
-
-LOAD_REPORT_INTERVAL_S = 2.0
+from shared.contracts.messages import Contract, Envelope, Registry
+from shared.telemetry import Telemetry
 
 
 def available_engines() -> list[EngineKind]:
@@ -33,47 +36,54 @@ def default_worker_id() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:64] or "worker"
 
 
-async def serve(ctx: ServiceContext) -> None:
-    settings = ctx.settings
-    worker = Worker(
-        worker_id=settings.worker_id or default_worker_id(),
-        store=ctx.store,
-        launcher=EngineLauncher(EngineOptions(sim_speedup=settings.worker_sim_speedup,
-                                              health_timeout_s=settings.worker_health_timeout_s)),
-        telemetry=ctx.telemetry,
-        gpu_memory_gb=settings.worker_gpu_memory_gb,
-        slots=settings.worker_slots,
-        health_timeout_s=settings.worker_health_timeout_s,
-    )
-    await worker.register(available_engines())
-    await worker.reconcile()
+def command_consumer(worker: Worker, js: JetStreamContext, subjects: Subjects, commands: Registry,
+                     telemetry: Telemetry) -> Consumer:
+    """The worker's durable consumer of its instance commands."""
 
     async def on_command(envelope: Envelope, command: Contract) -> None:
         assert isinstance(command, InstanceCommand)
         await worker.handle(envelope, command)
 
-    consumer = Consumer(
-        ctx.js,
-        ctx.subjects,
-        stream=ctx.subjects.commands_stream,
+    def instance_of(command: Contract) -> str:
+        assert isinstance(command, InstanceCommand)
+        return command.instance_id
+
+    return Consumer(
+        js,
+        subjects,
+        stream=subjects.commands_stream,
         durable=f"worker-{worker.worker_id}",
-        filter_subject=ctx.subjects.worker_commands(worker.worker_id),
-        registry=ctx.commands,
+        filter_subject=subjects.worker_commands(worker.worker_id),
+        registry=commands,
         handler=on_command,
-        telemetry=ctx.telemetry,
-        # One at a time, in the order sent: a drain then a delete must not swap places.
+        telemetry=telemetry,
+        # One instance's commands one at a time, in the order sent (a drain before its
+        # delete); different instances' side by side, so a long wake holds up no other start.
         batch=1,
+        key_of=instance_of,
     )
 
-    async def report_load() -> None:
-        while not ctx.stop.is_set():
-            try:
-                await asyncio.wait_for(ctx.stop.wait(), LOAD_REPORT_INTERVAL_S)
-            except asyncio.TimeoutError:
-                await worker.report_load()
 
+async def serve(ctx: ServiceContext) -> None:
+    settings = ctx.settings
+    worker_id = settings.worker_id or default_worker_id()
+    log_dir = Path(settings.worker_log_dir) if settings.worker_log_dir else default_log_dir(worker_id)
+    worker = Worker(
+        worker_id=worker_id,
+        store=ctx.store,
+        launcher=EngineLauncher(EngineOptions(log_dir=log_dir, sim_speedup=settings.worker_sim_speedup)),
+        telemetry=ctx.telemetry,
+        gpu_memory_gb=settings.worker_gpu_memory_gb,
+        slots=settings.worker_slots,
+        health_timeout_s=settings.worker_health_timeout_s,
+        report_interval_s=settings.worker_report_interval_s,
+    )
+    await worker.register(available_engines())
+    await worker.reconcile()
+
+    consumer = command_consumer(worker, ctx.js, ctx.subjects, ctx.commands, ctx.telemetry)
     try:
-        await asyncio.gather(ctx.consume(consumer), report_load())
+        await asyncio.gather(ctx.consume(consumer), worker.send_heartbeats(ctx.telemetry_bus, ctx.stop))
     finally:
         await worker.shutdown()
 

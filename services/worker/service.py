@@ -10,6 +10,11 @@ Idempotency: every event a command causes has an id derived from the command
 id. Before acting, the worker looks for the command's marker event (the
 accepted transition, or the outcome); if the log has it, the command was
 handled and a redelivery is acked without a second effect.
+
+Facts it reports besides: every `report_interval_s` a `WorkerHeartbeat` on the
+bus with each instance's status read from its engine's own API (telemetry, not
+events: it changes with load); and, within moments, an engine that exits on its
+own, recorded with its exit code and the last lines of its output.
 """
 
 from __future__ import annotations
@@ -20,7 +25,11 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
+from nats.errors import Error as NatsError
+
+from shared.bus.telemetry import TelemetryBus
 from shared.contracts.backends import Action, BackendType, EngineKind, Outcome, substitute, supports
 from shared.contracts.commands import (
     DeleteInstance,
@@ -33,7 +42,6 @@ from shared.contracts.commands import (
 )
 from shared.contracts.events import (
     InstanceCommandCompleted,
-    InstanceLoadReported,
     InstanceStateChanged,
     WorkerDeregistered,
     WorkerRegistered,
@@ -45,6 +53,7 @@ from shared.contracts.states import (
     check_instance_transition,
     instance_transition_allowed,
 )
+from shared.contracts.telemetry import InstanceStatus, WorkerHeartbeat
 from shared.eventlog.store import EventStore
 from shared.projections.projector import rebuild
 from shared.projections.readmodels import INSTANCES
@@ -66,7 +75,8 @@ class Instance:
     sleep_level: int = 0
     process: EngineProcess | None = None
     endpoint: str | None = None
-    inflight: int = 0
+    error: str | None = None
+    """Why it is in ERROR, for its status reports."""
 
 
 class Worker:
@@ -82,6 +92,7 @@ class Worker:
         host: str | None = None,
         health_timeout_s: float = 180.0,
         drain_poll_s: float = 0.5,
+        report_interval_s: float = 1.0,
     ) -> None:
         self.worker_id = worker_id
         self.store = store
@@ -92,6 +103,7 @@ class Worker:
         self.host = host or socket.gethostname()
         self.health_timeout_s = health_timeout_s
         self.drain_poll_s = drain_poll_s
+        self.report_interval_s = report_interval_s
         self.instances: dict[str, Instance] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -176,24 +188,52 @@ class Worker:
         check_instance_transition(inst.backend_type, inst.state, S.STARTING)
         self.instances[inst.instance_id] = inst
         await self._transition(inst, S.STARTING, cmd.reason or "start requested", envelope, marker="accepted")
-        self._spawn(self._finish_start(envelope, cmd, inst))
-
-    async def _finish_start(self, envelope: Envelope, cmd: StartInstance, inst: Instance) -> None:
+        # Launched here, under the instance's lock, so a delete that follows always
+        # finds the process it has to stop; only the wait for health goes on in the background.
         try:
-            inst.process = await self.launcher.launch(cmd)
-            inst.endpoint = inst.process.endpoint
-            await inst.process.wait_healthy(self.health_timeout_s)
-        except (EngineError, OSError) as exc:
-            async with self._lock(inst.instance_id):
-                if inst.process is not None:
-                    await inst.process.stop()
-                    inst.process = None
-                await self._transition(inst, S.ERROR, f"start failed: {exc}", envelope,
-                                       outcome=(Outcome.FAILED, str(exc)))
+            process = await self.launcher.launch(cmd)
+        except EngineError as exc:
+            await self._transition(inst, S.ERROR, f"start failed: {exc}", envelope, outcome=(Outcome.FAILED, str(exc)))
             return
+        inst.process, inst.endpoint = process, process.endpoint
+        self._spawn(self._watch(inst, process))
+        self._spawn(self._finish_start(envelope, inst, process))
+
+    async def _finish_start(self, envelope: Envelope, inst: Instance, process: EngineProcess) -> None:
+        failure = None
+        try:
+            await process.wait_healthy(self.health_timeout_s)
+        except EngineError as exc:
+            failure = str(exc)
+        else:
+            try:
+                await process.read_capacity()
+            except Exception as exc:  # not worth failing the start for: status reports keep asking
+                log.warning("instance %s: capacity not known yet: %s", inst.instance_id, exc)
         async with self._lock(inst.instance_id):
-            if inst.state is S.STARTING:
+            if inst.process is not process or inst.state is not S.STARTING:
+                return  # deleted while starting: the delete recorded everything
+            if failure is None and not process.alive:
+                failure = f"engine exited with code {process.exit_code} as it became healthy"
+            if failure is None:
                 await self._transition(inst, S.RUNNING, "engine healthy", envelope, outcome=(Outcome.OK, inst.endpoint or ""))
+                return
+            # The exit code only of an engine that exited by itself; one that never got healthy is stopped here.
+            exit_code = None if process.alive else process.exit_code
+            await process.stop()
+            inst.process = None
+            await self._transition(inst, S.ERROR, f"start failed: {failure}", envelope, outcome=(Outcome.FAILED, failure),
+                                   exit_code=exit_code, log_tail=process.log_tail())
+
+    async def _watch(self, inst: Instance, process: EngineProcess) -> None:
+        """Record an engine that exits on its own the moment it does."""
+        await process.wait_exit()
+        async with self._lock(inst.instance_id):
+            # Not a failure if the worker stopped it; and an exit while starting is the
+            # start's to record, with the start command's outcome.
+            if process.stop_requested or inst.process is not process or inst.state is S.STARTING:
+                return
+            await self._engine_gone(inst, None)
 
     async def _wake(self, envelope: Envelope, cmd: WakeInstance) -> None:
         inst = self._known(cmd)
@@ -230,15 +270,21 @@ class Worker:
 
     async def _engine_gone(self, inst: Instance, cause: Envelope | None) -> None:
         """Record that an instance's engine process is gone, by legal transitions only:
-        ERROR where the lifecycle allows it, else straight on to ABSENT."""
+        ERROR where the lifecycle allows it, else on to ABSENT; with how it ended, when known."""
+        process, inst.process = inst.process, None
+        exit_code = log_tail = None
         reason = "engine process is gone"
+        if process is not None:
+            await process.stop()  # reaps it and closes its HTTP client
+            exit_code, log_tail = process.exit_code, process.log_tail()
+            reason = f"engine exited with code {exit_code}"
         failed = (Outcome.FAILED, reason)
         if instance_transition_allowed(inst.backend_type, inst.state, S.ERROR):
-            await self._transition(inst, S.ERROR, reason, cause, outcome=failed)
+            await self._transition(inst, S.ERROR, reason, cause, outcome=failed, exit_code=exit_code, log_tail=log_tail)
             return
         if inst.state is not S.DELETING:
-            await self._transition(inst, S.DELETING, reason, cause)
-        await self._transition(inst, S.ABSENT, reason, cause, outcome=failed)
+            await self._transition(inst, S.DELETING, reason, cause, exit_code=exit_code, log_tail=log_tail)
+        await self._transition(inst, S.ABSENT, reason, cause, outcome=failed, exit_code=exit_code, log_tail=log_tail)
         self.instances.pop(inst.instance_id, None)
 
     async def _drain(self, envelope: Envelope, cmd: DrainInstance) -> None:
@@ -252,7 +298,7 @@ class Worker:
         deadline = loop.time() + cmd.timeout_s
         remaining = 0
         while inst.state is S.DRAINING and inst.process is not None and inst.process.alive:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # an engine that does not answer this time may next time
                 remaining = await inst.process.inflight()
             if remaining == 0 or loop.time() > deadline:
                 break
@@ -261,6 +307,7 @@ class Worker:
         await self._outcome(envelope, cmd, Outcome.OK if remaining == 0 else Outcome.FAILED, detail)
 
     async def _delete(self, envelope: Envelope, cmd: DeleteInstance) -> None:
+        """Also cancels a start: the background start then finds its process gone and records nothing."""
         inst = self._known(cmd)
         check_instance_transition(inst.backend_type, inst.state, S.DELETING)
         await self._transition(inst, S.DELETING, cmd.reason or "delete requested", envelope, marker="accepted")
@@ -277,25 +324,52 @@ class Worker:
             return
         detail = inst.state.value
         if inst.process is not None and inst.process.alive and inst.state is S.RUNNING:
-            with contextlib.suppress(Exception):
-                inst.inflight = await inst.process.inflight()
-            detail += f", inflight {inst.inflight}"
+            with contextlib.suppress(Exception):  # the state alone is still an answer
+                detail += f", inflight {await inst.process.inflight()}"
         await self._outcome(envelope, cmd, Outcome.OK, detail)
 
-    # ------------------------------------------------------------------ load reports
+    # ------------------------------------------------------------------ status reports
 
-    async def report_load(self) -> None:
-        """Record inflight of running instances that changed since the last report."""
-        for inst in list(self.instances.values()):
-            if inst.state is not S.RUNNING or inst.process is None or not inst.process.alive:
-                continue
+    async def status_of(self, inst: Instance) -> InstanceStatus:
+        """One instance in the unified fields of seed 000 §12.5, read from its engine now."""
+        known = dict(instance_id=inst.instance_id, alias=inst.alias, backend_type=inst.backend_type,
+                     engine=inst.engine, status=inst.state, sleep_level=inst.sleep_level)
+        process = inst.process
+        if process is None or not process.alive:
+            return InstanceStatus(**known, healthy=False, error=inst.error or "no engine process")
+        try:
+            engine = await process.read_status()
+        except Exception as exc:  # whatever went wrong, the status says it
+            return InstanceStatus(**known, capacity=process.capacity, healthy=False,
+                                  error=f"engine API did not answer: {type(exc).__name__}: {exc}"[:1000])
+        error = None
+        if process.capacity is None and inst.state is not S.STARTING:
             try:
-                inflight = await inst.process.inflight()
-            except Exception:
-                continue
-            if inflight != inst.inflight:
-                inst.inflight = inflight
-                await self._record(InstanceLoadReported(instance_id=inst.instance_id, alias=inst.alias, inflight=inflight))
+                await process.read_capacity()
+            except Exception as exc:
+                error = f"capacity unknown: {exc}"[:1000]
+        return InstanceStatus(
+            **known, inflight_requests=engine.inflight, capacity=process.capacity, kv_usage=engine.kv_usage,
+            decode_tokens_per_s=engine.decode_tokens_per_s, ttft_p95_s=engine.ttft_p95_s, e2e_p95_s=engine.e2e_p95_s,
+            last_active_at=engine.last_active_at, healthy=True, error=error,
+        )
+
+    async def heartbeat(self) -> WorkerHeartbeat:
+        statuses = await asyncio.gather(*(self.status_of(inst) for inst in list(self.instances.values())))
+        return WorkerHeartbeat(worker_id=self.worker_id, at=datetime.now(timezone.utc),
+                               interval_s=self.report_interval_s, instances=list(statuses))
+
+    async def send_heartbeats(self, telemetry_bus: TelemetryBus, stop: asyncio.Event) -> None:
+        """Every `report_interval_s` until `stop`: the heartbeat, which is also this worker's sign of life."""
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            started = loop.time()
+            try:
+                await telemetry_bus.put_heartbeat(await self.heartbeat())
+            except (NatsError, asyncio.TimeoutError) as exc:  # NATS is reconnecting: the next beat tries again
+                log.warning("heartbeat not sent: %r", exc)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, self.report_interval_s - (loop.time() - started)))
 
     # ------------------------------------------------------------------ helpers
 
@@ -328,6 +402,8 @@ class Worker:
         *,
         marker: str | None = None,
         outcome: tuple[Outcome, str] | None = None,
+        exit_code: int | None = None,
+        log_tail: str | None = None,
     ) -> None:
         """Record a state change (and the command's outcome with it, atomically)."""
         check_instance_transition(inst.backend_type, inst.state, to_state)
@@ -335,7 +411,8 @@ class Worker:
             instance_id=inst.instance_id, alias=inst.alias, backend_type=inst.backend_type, engine=inst.engine,
             worker_id=self.worker_id, from_state=inst.state, to_state=to_state, reason=reason,
             sleep_level=inst.sleep_level if to_state in (S.SLEEP_1, S.SLEEP_2) else 0,
-            endpoint=inst.endpoint, command_id=cause.id if cause else None,
+            capacity=inst.process.capacity if inst.process else None,
+            endpoint=inst.endpoint, command_id=cause.id if cause else None, exit_code=exit_code, log_tail=log_tail,
         )
         events = [Envelope.wrap(change, causation=cause,
                                 id=derived_id(cause.id, marker or to_state.value) if cause else None)]
@@ -343,6 +420,7 @@ class Worker:
             events.append(self._outcome_envelope(cause, inst.instance_id, inst.alias, Action(_action_of(cause)), *outcome))
         await self.store.append(f"instance:{inst.instance_id}", events, headers=self.telemetry.current_headers())
         inst.state = to_state
+        inst.error = reason if to_state is S.ERROR else None
 
     def _outcome_envelope(self, cause: Envelope, instance_id: str, alias: str, action: Action, outcome: Outcome, detail: str) -> Envelope:
         return Envelope.wrap(

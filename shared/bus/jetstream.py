@@ -12,9 +12,11 @@ Consumers follow three rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
@@ -36,14 +38,26 @@ from shared.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 
-async def connect(url: str, *, name: str) -> NATS:
-    return await nats.connect(
-        url,
-        name=name,
-        connect_timeout=5,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-    )
+async def connect(url: str, *, name: str, **options: Any) -> NATS:
+    """A connection that retries for ever (services); `options` override that, e.g. for a one-shot command."""
+    return await nats.connect(url, **{"name": name, "connect_timeout": 5, "max_reconnect_attempts": -1,
+                                      "reconnect_time_wait": 0.5, **options})
+
+
+async def connect_once(url: str, *, name: str, timeout_s: float) -> NATS:
+    """A connection for a one-shot command: two attempts, no reconnecting. A failure is raised once, as
+    `ConnectionError` saying why, instead of a traceback per attempt (a service would retry for ever)."""
+    failures: list[Exception] = []
+
+    async def remember(exc: Exception) -> None:
+        failures.append(exc)
+
+    try:
+        return await asyncio.wait_for(connect(url, name=name, allow_reconnect=False, max_reconnect_attempts=1,
+                                              error_cb=remember), timeout_s)
+    except Exception as exc:
+        why = failures[-1] if failures else exc
+        raise ConnectionError(f"NATS at {url} unreachable ({str(why) or why.__class__.__name__})") from exc
 
 
 async def ensure_streams(js: JetStreamContext, subjects: Subjects) -> None:
@@ -144,6 +158,7 @@ class Consumer:
         ack_wait_s: float = 30.0,
         batch: int = 64,
         deliver_new_only: bool = False,
+        key_of: Callable[[Contract], str] | None = None,
     ) -> None:
         self.js = js
         self.subjects = subjects
@@ -157,7 +172,11 @@ class Consumer:
         self.ack_wait_s = ack_wait_s
         self.batch = batch
         self.deliver_new_only = deliver_new_only
+        self.key_of = key_of
+        if key_of is not None and batch != 1:
+            raise ValueError("a keyed consumer fetches one message at a time, or order within a key is lost")
         self.stats = ConsumerStats()
+        self._tails: dict[str, asyncio.Task[None]] = {}
 
     def consumer_config(self) -> ConsumerConfig:
         return ConsumerConfig(
@@ -209,6 +228,42 @@ class Consumer:
             await self.dead_letter(msg, f"invalid {envelope.type}: {exc}")
             return
 
+        if self.key_of is None:
+            await self._run(msg, envelope, contract)
+            return
+        # Keyed: messages of one key run one after the other, in the order fetched;
+        # different keys run side by side. Each is acked when its own handler is
+        # done, so a long one holds neither its neighbours nor the fetch loop.
+        key = self.key_of(contract)
+        task = asyncio.create_task(self._run_after(self._tails.get(key), msg, envelope, contract))
+        self._tails[key] = task
+        task.add_done_callback(lambda t: self._tails.pop(key) if self._tails.get(key) is t else None)
+
+    async def _run_after(self, previous: asyncio.Task[None] | None, msg: Msg, envelope: Envelope, contract: Contract) -> None:
+        if previous is not None:
+            await asyncio.wait({previous})
+        progress = asyncio.create_task(self._report_progress(msg))
+        try:
+            await self._run(msg, envelope, contract)
+        finally:
+            progress.cancel()
+
+    async def _report_progress(self, msg: Msg) -> None:
+        """Tell JetStream a long handler is still at work, so it does not redeliver meanwhile."""
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
+
+    async def stop(self) -> None:
+        """Cancel keyed handlers still running; their messages are redelivered later, unacked."""
+        tasks = list(self._tails.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    async def _run(self, msg: Msg, envelope: Envelope, contract: Contract) -> None:
         with self.telemetry.consume_span(f"{self.durable} {envelope.type}", msg.headers or {}):
             try:
                 await self.handler(envelope, contract)

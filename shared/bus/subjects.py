@@ -4,6 +4,13 @@
     <ns>.cmd.worker.<worker_id>    instance commands for one worker             stream <NS>_COMMANDS
     <ns>.cmd.placement             placement requests                           stream <NS>_COMMANDS
     <ns>.dlq.<consumer>            messages a consumer could not accept         stream <NS>_DLQ
+
+Telemetry (bounded lifetime, never in the log; see shared/bus/telemetry.py):
+
+    <ns>.tel.window.<gateway_id>   gateway metric windows (24 h)                stream <NS>_WINDOWS
+    <ns>.tel.demand                cold-start demand                            core NATS, not stored
+    KV <ns>_heartbeats             worker heartbeats with instance status       latest per worker, TTL
+    KV <ns>_control                the controller's outlook per alias           latest per alias, TTL
 """
 
 from __future__ import annotations
@@ -67,3 +74,34 @@ class Subjects:
 
     def dead_letter(self, consumer: str) -> str:
         return f"{self.namespace}.dlq.{consumer}"
+
+    # ------------------------------------------------------------------ telemetry
+
+    @property
+    def windows_stream(self) -> str:
+        return f"{self.namespace.upper()}_WINDOWS"
+
+    @property
+    def all_windows(self) -> str:
+        return f"{self.namespace}.tel.window.>"
+
+    def windows_of(self, gateway_id: str) -> str:
+        return f"{self.namespace}.tel.window.{gateway_id}"
+
+    @property
+    def demand(self) -> str:
+        return f"{self.namespace}.tel.demand"
+
+    @property
+    def heartbeats_bucket(self) -> str:
+        return f"{self.namespace}_heartbeats"
+
+    @property
+    def control_bucket(self) -> str:
+        return f"{self.namespace}_control"
+
+    @property
+    def all_streams(self) -> tuple[str, ...]:
+        """Every JetStream stream of the namespace, key-value buckets included (for clean-up)."""
+        return (self.events_stream, self.commands_stream, self.dlq_stream, self.windows_stream,
+                f"KV_{self.heartbeats_bucket}", f"KV_{self.control_bucket}")

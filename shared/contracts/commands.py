@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
@@ -52,10 +52,13 @@ class EngineSpec(Command):
     gpu_memory_gb: float = Field(ge=0)
     max_model_len: int | None = Field(default=None, ge=1)
     tensor_parallel_size: int = Field(default=1, ge=1)
+    engine_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    """v2: the backend's extra engine flags (`BackendConfig.engine_args`)."""
 
 
 class StartInstance(InstanceCommand, EngineSpec):
     TYPE = "StartInstance"
+    VERSION = 2
     ACTION = Action.START
 
 
@@ -90,6 +93,7 @@ class PlaceInstance(EngineSpec):
     """Ask placement for a worker for a new instance, then have it started there."""
 
     TYPE = "PlaceInstance"
+    VERSION = 2
     request_id: uuid.UUID
     instance_id: str = Field(min_length=1)
     alias: str = Field(min_length=1)
@@ -108,5 +112,12 @@ INSTANCE_COMMANDS: tuple[type[InstanceCommand], ...] = (
 COMMANDS: tuple[type[Command], ...] = (*INSTANCE_COMMANDS, PlaceInstance)
 
 
+def _no_engine_args(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "engine_args": {}}
+
+
 def command_registry() -> Registry:
-    return Registry(COMMANDS)
+    registry = Registry(COMMANDS)
+    for contract in (StartInstance, PlaceInstance):
+        registry.upcaster(contract.TYPE, 1)(_no_engine_args)
+    return registry

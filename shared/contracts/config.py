@@ -18,12 +18,20 @@ explicit arguments. Every error names the field and the file it came from.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from shared.contracts.backends import BackendType, EngineKind
 from shared.contracts.states import RoutingState
@@ -39,6 +47,9 @@ class ConfigError(ValueError):
         super().__init__(f"{field}{where}: {message}")
 
 
+FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]*$")
+
+
 class BackendConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -51,6 +62,17 @@ class BackendConfig(BaseModel):
     tensor_parallel_size: int = Field(default=1, ge=1)
     engine: EngineKind | None = None
     """What runs this backend; defaults to the real engine. `simulator` where no GPU exists."""
+    engine_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    """Extra command-line flags for the engine, e.g. `{gpu-memory-utilization: 0.5}` for vLLM or
+    `{startup-s: 10}` for the simulator: `--name value`, `--name` alone for true."""
+
+    @field_validator("engine_args")
+    @classmethod
+    def _flag_names(cls, args: dict[str, Any]) -> dict[str, Any]:
+        for name in args:
+            if not FLAG_NAME.match(name):
+                raise ValueError(f"{name!r} is not a flag name (letters, digits and '-', without the leading --)")
+        return args
 
     @model_validator(mode="after")
     def _replica_bounds(self) -> "BackendConfig":
@@ -97,6 +119,36 @@ class PolicySettings(BaseModel):
     VLLM_SLEEP_L1_IDLE_S: float = Field(default=300, ge=0)
     VLLM_SLEEP_L2_IDLE_S: float = Field(default=900, ge=0)
     VLLM_DELETE_IDLE_S: float = Field(default=1800, ge=0)
+    # Beyond §11: numbers the seed's rules need but do not give. Ours, documented in
+    # docs/controller.md; every one overridable like the rest.
+    HYBRID_QUEUE_SLA_S: float = Field(default=2.0, gt=0)
+    """queue_sla of §4.1: a queue_wait_p95 above it counts toward warming vLLM."""
+    HYBRID_E2E_SLA_S: float = Field(default=30.0, gt=0)
+    """e2e_sla of §4.1 (fast tier); also the SLA a MIXED step must hold on vLLM to go on."""
+    HYBRID_READY_PROBES: int = Field(default=2, ge=1)
+    """N_ready of §4.1: consecutive healthy probes of vLLM before MIXED."""
+    HYBRID_MIX_STEP_S: float = Field(default=10, ge=0)
+    """Time each MIXED weight is held, healthy and within SLA, before the next step."""
+    HYBRID_RETRY_S: float = Field(default=120, ge=0)
+    """The retry window of DEGRADED_FAST (§4.1 item 7)."""
+    HYBRID_TIMEOUT_WINDOWS: int = Field(default=3, ge=1)
+    """Consecutive windows with vLLM timeouts that count as 'consecutive timeouts' (§4.1 item 6)."""
+    HYBRID_COLD_IDLE_S: float = Field(default=300, ge=0)
+    """An alias with min_replicas 0 everywhere goes back to COLD after this long without a request."""
+    HYBRID_VLLM_KV_TOKENS: int = Field(default=160_000, ge=1)
+    """T_kv of §5.1, for C_vllm = floor(T_kv / T_req) until a vLLM instance reports its capacity."""
+    HYBRID_REQUEST_TOKENS: int | None = Field(default=None, ge=1)
+    """T_req of §5.1; default: the vLLM backend's max_model_len (4096 without one)."""
+    LLAMA_C_L: int = Field(default=1, ge=1)
+    """C_l of §5.4 until a llama.cpp instance reports its capacity (its sequence slots)."""
+    SCALE_UP_COOLDOWN_S: float = Field(default=0, ge=0)
+    """Minimum time between two scale-ups of one tier (§13.6 SCALE_UP_COOLDOWN)."""
+    SCALE_DOWN_CONSECUTIVE: int = Field(default=2, ge=1)
+    """Consecutive windows asking for fewer fast replicas before one is removed (hysteresis)."""
+    START_RETRY_S: float = Field(default=30, ge=0)
+    """After a start of a tier failed (placement or engine), no new start of it for this long."""
+    COMMAND_RETRY_S: float = Field(default=10, ge=0)
+    """After a command failed on an instance, the same command is not sent to it again for this long."""
 
     @field_validator("HYBRID_MIX_WEIGHTS", mode="before")
     @classmethod

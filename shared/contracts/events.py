@@ -1,4 +1,4 @@
-"""Every event modelpool records. Version 1 of each; see `messages.Registry` for upcasting.
+"""Every event modelpool records, at its latest version; `event_registry` upcasts older ones on read.
 
 Streams (`CATEGORY:key`): `alias:<alias>` for routing decisions and configuration,
 `instance:<instance_id>` for an instance's lifecycle and commands, `worker:<id>`,
@@ -16,47 +16,25 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.contracts.backends import Action, BackendType, EngineKind, Outcome
 from shared.contracts.config import AliasConfig
+from shared.contracts.control import AliasSnapshot, Decision, MetricWindow
 from shared.contracts.messages import Event, Registry
-from shared.contracts.states import InstanceState, RoutingState, check_instance_transition, check_routing_transition
-
-
-class MetricWindow(BaseModel):
-    """Per-alias load over one window, as the gateway measures it (seed 000 §6, §12.3).
-
-    The snapshot a routing decision was made from is recorded with the decision, so
-    an audit can feed it back through the policy code.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    window_start: datetime
-    window_end: datetime
-    requests: int = 0
-    inflight_fast: float = 0.0
-    inflight_slow: float = 0.0
-    queue_len: float = 0.0
-    queue_wait_p95_s: float | None = None
-    ttft_p95_s: float | None = None
-    e2e_p95_fast_s: float | None = None
-    e2e_p95_s: float | None = None
-    decode_tokens_per_s: float | None = None
-    prefill_tokens_per_s: float | None = None
-    tbt_p95_s: float | None = None
-    capacity_vllm: float | None = None
-    extra: dict[str, float] = Field(default_factory=dict)
-
-    @property
-    def inflight_total(self) -> float:
-        return self.inflight_fast + self.inflight_slow
-
+from shared.contracts.states import (
+    InstanceState,
+    RoutingState,
+    check_instance_transition,
+    check_routing_transition,
+)
 
 # --------------------------------------------------------------------------- alias
 
 
 class AliasConfigured(Event):
-    """An alias's configuration as loaded at start-up (recorded when it changes)."""
+    """An alias's configuration as loaded at start-up (recorded when it changes).
+
+    v2: a backend's configuration may carry `engine_args`."""
 
     TYPE = "AliasConfigured"
+    VERSION = 2
     CATEGORY = "alias"
     alias: str
     config: AliasConfig
@@ -65,8 +43,51 @@ class AliasConfigured(Event):
         return self.alias
 
 
+class PolicyDecided(Event):
+    """A decision of the controller about one alias, with everything it was computed from.
+
+    Recorded whenever a decision changes something (a routing switch, a mix step,
+    new targets, an instance action), in one append with the switch, step and
+    targets events it causes. `replay --verify-decisions` feeds `snapshot` back
+    through the policy named here and compares the result with `decision`.
+    """
+
+    TYPE = "PolicyDecided"
+    CATEGORY = "alias"
+    alias: str
+    policy: str
+    policy_version: int = Field(ge=0)
+    decided_at: datetime
+    snapshot: AliasSnapshot
+    decision: Decision
+    summary: str
+
+    def stream_key(self) -> str:
+        return self.alias
+
+
+class ColdStartCompleted(Event):
+    """Demand reached a cold alias and its first instance is now serving: how long that took."""
+
+    TYPE = "ColdStartCompleted"
+    CATEGORY = "alias"
+    alias: str
+    backend_type: BackendType
+    instance_id: str
+    demand_at: datetime
+    ready_at: datetime
+    duration_s: float = Field(ge=0)
+
+    def stream_key(self) -> str:
+        return self.alias
+
+
 class RoutingStateChanged(Event):
+    """v2: `policy_version`; the metric window may carry the v2 fields. The decision that
+    made the switch is the envelope's causation (a `PolicyDecided`)."""
+
     TYPE = "RoutingStateChanged"
+    VERSION = 2
     CATEGORY = "alias"
     alias: str
     from_state: RoutingState
@@ -75,6 +96,7 @@ class RoutingStateChanged(Event):
     mix_weight: float = Field(ge=0.0, le=1.0, description="share of traffic sent to vLLM")
     cooldown_until: datetime | None = None
     policy: str
+    policy_version: int = Field(default=0, ge=0)
     metrics: MetricWindow | None = None
     inputs: dict[str, Any] = Field(default_factory=dict, description="policy state and thresholds behind the decision")
 
@@ -91,12 +113,14 @@ class MixWeightChanged(Event):
     """A step of the MIXED ramp (e.g. 20 -> 50 -> 80 -> 100 % to vLLM)."""
 
     TYPE = "MixWeightChanged"
+    VERSION = 2
     CATEGORY = "alias"
     alias: str
     from_weight: float = Field(ge=0.0, le=1.0)
     to_weight: float = Field(ge=0.0, le=1.0)
     reason: str
     policy: str
+    policy_version: int = Field(default=0, ge=0)
     metrics: MetricWindow | None = None
 
     def stream_key(self) -> str:
@@ -105,11 +129,13 @@ class MixWeightChanged(Event):
 
 class ScalingTargetsChanged(Event):
     TYPE = "ScalingTargetsChanged"
+    VERSION = 2
     CATEGORY = "alias"
     alias: str
     targets: dict[BackendType, int]
     reason: str
     policy: str
+    policy_version: int = Field(default=0, ge=0)
     metrics: MetricWindow | None = None
     inputs: dict[str, Any] = Field(default_factory=dict)
 
@@ -221,7 +247,10 @@ class PlacementFailed(Event):
 
 
 class InstanceStateChanged(Event):
+    """v2: `exit_code` and `log_tail` say how an engine that died ended."""
+
     TYPE = "InstanceStateChanged"
+    VERSION = 2
     CATEGORY = "instance"
     instance_id: str
     alias: str
@@ -235,6 +264,8 @@ class InstanceStateChanged(Event):
     capacity: int | None = Field(default=None, ge=0)
     endpoint: str | None = None
     command_id: uuid.UUID | None = None
+    exit_code: int | None = None
+    log_tail: str | None = None
 
     def stream_key(self) -> str:
         return self.instance_id
@@ -246,7 +277,8 @@ class InstanceStateChanged(Event):
 
 
 class InstanceLoadReported(Event):
-    """An instance's load, reported by its worker when it changes materially."""
+    """An instance's load, as workers once recorded it on every change. No longer written:
+    load is telemetry and travels on the bus (docs/bus.md); old events still read."""
 
     TYPE = "InstanceLoadReported"
     CATEGORY = "instance"
@@ -317,6 +349,8 @@ class SessionReleased(Event):
 
 EVENTS: tuple[type[Event], ...] = (
     AliasConfigured,
+    PolicyDecided,
+    ColdStartCompleted,
     RoutingStateChanged,
     MixWeightChanged,
     ScalingTargetsChanged,
@@ -335,6 +369,23 @@ EVENTS: tuple[type[Event], ...] = (
 )
 
 
+def _unchanged(payload: dict[str, Any]) -> dict[str, Any]:
+    return payload
+
+
+def _add_policy_version(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "policy_version": 0}
+
+
+def _add_exit_details(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "exit_code": None, "log_tail": None}
+
+
 def event_registry() -> Registry:
     """A registry of every event contract, with the upcasters for their old versions."""
-    return Registry(EVENTS)
+    registry = Registry(EVENTS)
+    for type_name in (RoutingStateChanged.TYPE, MixWeightChanged.TYPE, ScalingTargetsChanged.TYPE):
+        registry.upcaster(type_name, 1)(_add_policy_version)
+    registry.upcaster(InstanceStateChanged.TYPE, 1)(_add_exit_details)
+    registry.upcaster(AliasConfigured.TYPE, 1)(_unchanged)  # v1 payloads are valid v2 payloads
+    return registry

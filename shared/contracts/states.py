@@ -59,6 +59,8 @@ _COMMON: frozenset[tuple[InstanceState, InstanceState]] = frozenset(
         # releasable, or its resources would leak with no legal way out.
         (_I.STARTING, _I.ERROR),
         (_I.ERROR, _I.DELETING),
+        # A start can be cancelled, so scale-down never waits out a long vLLM start.
+        (_I.STARTING, _I.DELETING),
     }
 )
 
@@ -109,6 +111,13 @@ ROUTING_TRANSITIONS: frozenset[tuple[RoutingState, RoutingState]] = frozenset(
         # Load gone entirely: the last instance is released and the alias is cold again
         # (§5.4 scale-down to min_replicas 0). Without it an idle alias could never cool.
         (_R.FAST_ONLY, _R.COLD),
+        # The retry window came and load no longer asks for vLLM: the alias is plainly
+        # fast again instead of reporting a degradation that is over.
+        (_R.DEGRADED_FAST, _R.FAST_ONLY),
+        # An alias with no fast tier: vLLM takes the first demand alone, and the alias
+        # cools when its last vLLM instance is gone.
+        (_R.COLD, _R.VLLM_PRIMARY),
+        (_R.VLLM_PRIMARY, _R.COLD),
     }
     | {(state, _R.DEGRADED_FAST) for state in RoutingState if state is not _R.DEGRADED_FAST}
 )

@@ -337,9 +337,14 @@ class EventStore:
         return [OutboxEvent(r[0], r[1], r[2], r[3], r[4], orjson.loads(r[5]), r[6].encode()) for r in rows]
 
     async def history(
-        self, alias: str, *, since: datetime | None = None, until: datetime | None = None
+        self, alias: str, *, since: datetime | None = None, until: datetime | None = None,
+        types: Collection[str] | None = None,
     ) -> list[Envelope]:
+        """Every event naming the alias in [since, until], in log order, upcast; `types` limits the read."""
         clauses, params = ["payload->>'alias' = :alias"], {"alias": alias}
+        if types is not None:
+            clauses.append("type = ANY(:types)")
+            params["types"] = list(types)
         if since is not None:
             clauses.append("occurred_at >= :since")
             params["since"] = since
@@ -350,6 +355,17 @@ class EventStore:
             result = await conn.execute(
                 text(f"SELECT {_COLUMNS} FROM events WHERE {' AND '.join(clauses)} ORDER BY position"), params
             )
+            return [self._upcast(_envelope(row)) for row in result]
+
+    async def of_type(self, type_name: str, *, alias: str | None = None) -> list[Envelope]:
+        """Every stored event of one type (optionally of one alias), in log order, upcast."""
+        clauses, params = ["type = :type"], {"type": type_name}
+        if alias is not None:
+            clauses.append("payload->>'alias' = :alias")
+            params["alias"] = alias
+        async with self.engine.connect() as conn:
+            result = await conn.execute(
+                text(f"SELECT {_COLUMNS} FROM events WHERE {' AND '.join(clauses)} ORDER BY position"), params)
             return [self._upcast(_envelope(row)) for row in result]
 
     async def iter_raw(

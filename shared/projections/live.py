@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from nats.aio.client import Client as NATS
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.bus.subjects import Subjects
-from shared.eventlog.store import EventStore
+from shared.eventlog.store import EventStore, RawEvent
 from shared.projections.projector import load_position, load_rows
 from shared.projections.readmodels import Projection, Rows
 
@@ -34,9 +34,19 @@ class LiveView:
         self.rows: dict[str, Rows] = {p.name: {} for p in projections}
         self.position = 0
         self._wake = asyncio.Event()
+        self._folding = asyncio.Lock()
+        self._listeners: list[Callable[[Sequence[RawEvent]], None]] = []
 
     def __getitem__(self, projection: Projection) -> Rows:
         return self.rows[projection.name]
+
+    def add_listener(self, listener: Callable[[Sequence[RawEvent]], None]) -> None:
+        """Call `listener` with every batch of events once the rows include them.
+
+        A service that waits for the view to show something (the gateway holding a
+        request until an instance runs) is woken by this instead of polling the rows.
+        """
+        self._listeners.append(listener)
 
     async def load(self) -> None:
         """Rows and position from the projector's tables, read in one snapshot."""
@@ -55,13 +65,17 @@ class LiveView:
     async def catch_up(self) -> int:
         """Fold every committed event after our position; return how many."""
         applied = 0
-        async for events in self.store.iter_raw(self.position):
-            for event in events:
-                for p in self.projections:
-                    p.apply(self.rows[p.name], event)
-            if events:
-                self.position = events[-1].position
-                applied += len(events)
+        # One fold at a time: two readers starting from the same position would fold events twice.
+        async with self._folding:
+            async for events in self.store.iter_raw(self.position):
+                for event in events:
+                    for p in self.projections:
+                        p.apply(self.rows[p.name], event)
+                if events:
+                    self.position = events[-1].position
+                    applied += len(events)
+                    for listener in self._listeners:
+                        listener(events)
         return applied
 
     async def follow(self, nc: NATS, subjects: Subjects, stop: asyncio.Event, poll_interval_s: float = 1.0) -> None:

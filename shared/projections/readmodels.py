@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable
 
+from shared.contracts.events import EVENTS
 from shared.eventlog.store import RawEvent
 
 Row = dict[str, Any]
@@ -269,4 +270,118 @@ WORKERS = Projection(
     },
 )
 
-ALL_PROJECTIONS: tuple[Projection, ...] = (ROUTING, INSTANCES, SESSIONS, WORKERS)
+# --------------------------------------------------------------------------- the controller's view
+
+# Every event of an alias's stream (`alias:<name>`), so the row's `version` is that stream's version.
+ALIAS_STREAM_TYPES = frozenset(c.TYPE for c in EVENTS if c.CATEGORY == "alias")
+
+
+def _control_row(rows: Rows, alias: str, event: RawEvent) -> Row:
+    row = rows.get(alias)
+    if row is None:
+        row = rows[alias] = {"alias": alias, "version": 0, "policy": None, "state": None, "decided_at": None,
+                             "pending": {}, "start_failures": {}, "notes": {}}
+    row["updated_at"] = event.occurred_at
+    return row
+
+
+def _control_alias_event(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    row = _control_row(rows, p["alias"], event)
+    row["version"] += 1
+    if event.type == "PolicyDecided":
+        decision = p["decision"]
+        row.update(policy=p["policy"], state=decision["state"], decided_at=_time(p["decided_at"]))
+        for a in decision["actions"]:
+            row["pending"][a["command_id"]] = {
+                "action": a["action"], "backend": a["backend"], "instance_id": a["instance_id"],
+                "worker_id": a["worker_id"], "level": a["level"], "issued_at": event.occurred_at.isoformat(),
+                "acked": False,
+            }
+    return (p["alias"],)
+
+
+def _control_placement_requested(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    row = rows.get(p["alias"])
+    command = row and row["pending"].get(p["request_id"])
+    if command is None:
+        return ()
+    command["acked"] = True
+    return (p["alias"],)
+
+
+def _control_placement_failed(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    row = _control_row(rows, p["alias"], event)
+    row["pending"].pop(p["request_id"], None)
+    row["start_failures"][p["backend_type"]] = {"instance_id": p["instance_id"], "at": event.occurred_at.isoformat(),
+                                               "reason": p["reason"]}
+    return (p["alias"],)
+
+
+def _control_instance_changed(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    row = _control_row(rows, p["alias"], event)
+    pending = row["pending"]
+    if p.get("command_id") in pending:
+        pending[p["command_id"]]["acked"] = True
+    instance = p["instance_id"]
+    for command_id, command in list(pending.items()):
+        # A start is done once its instance is in the log: from then on the instance
+        # itself is what counts, and it must be free to take a cancel.
+        if command["instance_id"] == instance and (command["action"] == "start" or p["to_state"] == "ABSENT"):
+            del pending[command_id]
+    if p["from_state"] == "STARTING" and p["to_state"] == "ERROR":
+        row["start_failures"][p["backend_type"]] = {"instance_id": instance, "at": event.occurred_at.isoformat(),
+                                                   "reason": p["reason"]}
+    if p["to_state"] == "ABSENT":
+        row["notes"].pop(instance, None)
+    return (p["alias"],)
+
+
+def _control_command_completed(rows: Rows, event: RawEvent) -> Iterable[str]:
+    p = event.payload
+    row = rows.get(p["alias"])
+    if row is None or row["pending"].pop(p["command_id"], None) is None:
+        return ()
+    note = row["notes"].setdefault(p["instance_id"], {"unsupported": [], "last_failure": None})
+    if p["outcome"] == "unsupported" and p["action"] not in note["unsupported"]:
+        note["unsupported"].append(p["action"])
+    elif p["outcome"] in ("failed", "rejected"):
+        note["last_failure"] = [p["action"], event.occurred_at.isoformat()]
+    row["updated_at"] = event.occurred_at
+    return (p["alias"],)
+
+
+def _control_worker_lost(rows: Rows, event: RawEvent) -> Iterable[str]:
+    """Commands sent to a lost worker will not be answered: stop waiting for them."""
+    touched = []
+    for alias, row in rows.items():
+        lost = [c for c, command in row["pending"].items() if command["worker_id"] == event.payload["worker_id"]]
+        for command_id in lost:
+            del row["pending"][command_id]
+        if lost:
+            row["updated_at"] = event.occurred_at
+            touched.append(alias)
+    return touched
+
+
+CONTROL = Projection(
+    name="control",
+    table="proj_control",
+    key="alias",
+    columns=("alias", "version", "policy", "state", "decided_at", "pending", "start_failures", "notes", "updated_at"),
+    json_columns=frozenset({"state", "pending", "start_failures", "notes"}),
+    time_columns=frozenset({"decided_at", "updated_at"}),
+    reducers={
+        **{type_name: _control_alias_event for type_name in ALIAS_STREAM_TYPES},
+        "PlacementRequested": _control_placement_requested,
+        "PlacementFailed": _control_placement_failed,
+        "InstanceStateChanged": _control_instance_changed,
+        "InstanceCommandCompleted": _control_command_completed,
+        "WorkerLost": _control_worker_lost,
+    },
+)
+
+ALL_PROJECTIONS: tuple[Projection, ...] = (ROUTING, INSTANCES, SESSIONS, WORKERS, CONTROL)

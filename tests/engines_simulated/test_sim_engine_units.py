@@ -22,6 +22,18 @@ def test_settings_layer_profile_then_env_then_arguments() -> None:
     assert llama.engine_name == "simulated-llama.cpp"
 
 
+def test_profile_variables_come_after_engine_variables_and_before_arguments() -> None:
+    env = {"MODELPOOL_SIM_ENGINE_STARTUP_S": "5", "MODELPOOL_SIM_ENGINE_SPEEDUP": "2",
+           "MODELPOOL_SIM_VLLM_STARTUP_S": "600", "MODELPOOL_SIM_VLLM_FAIL_START": "true",
+           "MODELPOOL_SIM_LLAMA_CPP_MAX_NUM_SEQS": "6"}
+    vllm = EngineConfig.resolve("vllm", env=env)
+    assert vllm.startup_s == 600.0 and vllm.fail_start is True  # the profile's own variables win
+    assert vllm.speedup == 2.0 and vllm.max_num_seqs == 256  # engine-wide ones still apply; others' do not
+    llama = EngineConfig.resolve("llama.cpp", env=env)
+    assert llama.startup_s == 5.0 and llama.fail_start is False and llama.max_num_seqs == 6
+    assert EngineConfig.resolve("vllm", env=env, startup_s=1.0).startup_s == 1.0  # arguments win over both
+
+
 def test_kv_capacity_follows_memory_and_must_hold_one_full_context() -> None:
     config = EngineConfig.resolve("vllm", env={})
     expected = int((24 * 0.9 - 4.3 - 0.5) * GIB) // 114_688

@@ -132,6 +132,41 @@ def test_up_serves_then_ctrl_c_stops_everything(data_dir: Path, tmp_path: Path, 
     assert "killing leftover process" not in cluster.output()
 
 
+def test_the_default_pool_serves_from_cold_and_operator_commands_find_the_cluster(
+        data_dir: Path, tmp_path: Path, started: list[Cluster], settings) -> None:
+    import openai
+
+    cluster = _start(data_dir, tmp_path / "up.log")
+    started.append(cluster)
+    cluster.wait_healthy()
+    # Nothing started by hand: the first request is held while the controller starts real llama.cpp.
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.gateway_port}/v1", api_key="unused", timeout=120)
+    raw = client.chat.completions.with_raw_response.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Say hello."}], max_tokens=12)
+    assert raw.headers["x-modelpool-engine"] == "llama.cpp" and raw.parse().choices[0].message.content
+
+    # A second terminal, no settings at all: the operator's commands find this cluster.
+    bare = {k: v for k, v in os.environ.items() if k not in {"NATS_URL", "DATABASE_URL", "MODELPOOL_NAMESPACE"}}
+    bare["MODELPOOL_DATA_DIR"] = str(data_dir)
+    status = subprocess.run([sys.executable, "-m", "services.cli", "status"], env=bare, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "smollm2-135m: FAST_ONLY" in status.stdout and "first demand" in status.stdout
+    history = subprocess.run([sys.executable, "-m", "services.cli", "history", "smollm2-135m"], env=bare, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+    assert history.returncode == 0 and "routing COLD -> FAST_ONLY" in history.stdout, history.stderr
+
+    cluster.ctrl_c()
+    assert cluster.wait_exit() == 0, cluster.output()
+    assert not (data_dir / "cluster.json").exists()
+    # Pointed at a database without modelpool's schema, a command says so in one line.
+    elsewhere = {**bare, "DATABASE_URL": settings.database_url, "MODELPOOL_NAMESPACE": settings.namespace}  # never migrated
+    wrong = subprocess.run([sys.executable, "-m", "services.cli", "status"], env=elsewhere, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
+    assert "no modelpool schema" in wrong.stderr
+
+
 def test_a_service_dying_stops_the_cluster_with_an_error(data_dir: Path, tmp_path: Path, started: list[Cluster]) -> None:
     cluster = _start(data_dir, tmp_path / "up.log")
     started.append(cluster)

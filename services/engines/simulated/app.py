@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import sys
 import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -198,7 +200,7 @@ class EngineServer:
         if self.config.profile == "vllm":
             # vLLM binds its port only once the model is loaded; uvicorn binds after lifespan start-up.
             await asyncio.sleep(delay)
-            self.lifecycle.loaded()
+            self._loaded()
         else:
             self._loader = asyncio.ensure_future(self._load(delay))
         log.info("%s engine for %s ready to bind", self.engine, self.config.model)
@@ -211,7 +213,26 @@ class EngineServer:
 
     async def _load(self, delay: float) -> None:
         await asyncio.sleep(delay)
+        self._loaded()
+
+    def _loaded(self) -> None:
+        if self.config.fail_start:
+            self._fail_start()
         self.lifecycle.loaded()
+
+    def _fail_start(self) -> None:
+        """End the process as an engine whose start failed: one clear line, then exit code 1.
+
+        `os._exit` rather than an exception: uvicorn turns a failed lifespan into exit
+        code 3 and a traceback, and the llama.cpp profile loads after it has bound its
+        port, where no exception reaches uvicorn at all. So an engine told to fail
+        must run in its own process (as `modelpool engine sim` does).
+        """
+        sys.stdout.flush()
+        sys.stderr.write(f"modelpool: SIMULATED {self.config.profile} engine was told to fail its start "
+                         f"(fail_start); exiting with code 1\n")
+        sys.stderr.flush()
+        os._exit(1)
 
     # ------------------------------------------------------------ helpers
 
@@ -392,6 +413,7 @@ class EngineServer:
             sleep_state=self.lifecycle.sleep_state_label(),
             gpu_bytes=memory.gpu_bytes, cpu_bytes=memory.cpu_bytes,
             lifecycle_state=self.lifecycle.state.value, speedup=self.config.speedup,
+            cache_config=self.config.cache_config_info(),
         )
 
     async def status(self, request: Request) -> Response:

@@ -1,7 +1,8 @@
 """`modelpool engine sim --profile vllm|llama.cpp ...`: run a simulated engine.
 
 Settings are layered: profile defaults, then `MODELPOOL_SIM_ENGINE_*` environment
-variables, then these options.
+variables, then the profile's own `MODELPOOL_SIM_VLLM_*` / `MODELPOOL_SIM_LLAMA_CPP_*`,
+then these options.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wake-l2-s", type=float, help="wake from sleep level 2 (2.6)")
     g.add_argument("--sleep-l1-s", type=float, help="time to enter sleep level 1 (0.4)")
     g.add_argument("--sleep-l2-s", type=float, help="time to enter sleep level 2 (0.1)")
+    g.add_argument("--fail-start", action="store_const", const=True,
+                   help="exit with code 1 at the end of the start-up delay instead of serving")
     g = p.add_argument_group("decode model")
     g.add_argument("--d-0", dest="d_0", type=float, help="batch base duration, seconds")
     g.add_argument("--d-1", dest="d_1", type=float, help="batch duration per token, seconds")
@@ -71,7 +74,7 @@ def main(argv: list[str]) -> int:
     print(
         f"modelpool: SIMULATED {config.profile} engine (no real inference) serving {config.model!r} "
         f"on http://{config.host}:{config.port}, speed-up x{config.speedup}, "
-        f"start-up {config.startup_s / config.speedup:.1f} s",
+        f"start-up {config.startup_s / config.speedup:.1f} s" + (" then a failed start (fail_start)" if config.fail_start else ""),
         file=sys.stderr, flush=True,
     )
     uvicorn.run(

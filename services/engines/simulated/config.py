@@ -27,6 +27,9 @@ StrategyName = Literal["conservative", "aggressive"]
 
 GIB = 1024**3
 ENV_PREFIX = "MODELPOOL_SIM_ENGINE_"
+PROFILE_ENV_PREFIXES: dict[str, str] = {"vllm": "MODELPOOL_SIM_VLLM_", "llama.cpp": "MODELPOOL_SIM_LLAMA_CPP_"}
+"""Variables for one profile only, applied over `ENV_PREFIX`: a worker's environment can make
+its simulated vLLM start slowly or fail while its simulated llama.cpp engines start as usual."""
 
 
 class EngineConfig(BaseModel):
@@ -46,6 +49,8 @@ class EngineConfig(BaseModel):
     sleep_l2_s: float = Field(default=0.1, ge=0.0)
     wake_l1_s: float = Field(default=0.3, ge=0.0)
     wake_l2_s: float = Field(default=2.6, ge=0.0)
+    fail_start: bool = False
+    """Exit with code 1 at the end of the start-up delay instead of serving (a failed start, on purpose)."""
 
     # --- decode model (seed 002) -------------------------------------------
     d_0: float = Field(default=0.012, gt=0.0)
@@ -102,6 +107,21 @@ class EngineConfig(BaseModel):
             return self.max_model_len * self.max_num_seqs  # llama-server: -c = per-slot context x slots
         return max(16, self.kv_pool_bytes // self.kv_bytes_per_token)
 
+    @property
+    def num_gpu_blocks(self) -> int:
+        """KV blocks of `block_size` tokens, as vLLM counts its cache."""
+        return self.kv_tokens // self.block_size
+
+    def cache_config_info(self) -> dict[str, str]:
+        """vLLM's `vllm:cache_config_info` labels: its cache configuration, values as vLLM writes them."""
+        return {
+            "block_size": str(self.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": str(self.enable_prefix_caching),
+            "gpu_memory_utilization": str(self.gpu_memory_utilization),
+            "num_gpu_blocks": str(self.num_gpu_blocks),
+        }
+
     # ------------------------------------------------------------------ layering
 
     @classmethod
@@ -127,11 +147,11 @@ class EngineConfig(BaseModel):
         }
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> dict[str, Any]:
-        """`MODELPOOL_SIM_ENGINE_<FIELD>` variables, e.g. MODELPOOL_SIM_ENGINE_SPEEDUP=10."""
+    def from_env(cls, env: Mapping[str, str], prefix: str = ENV_PREFIX) -> dict[str, Any]:
+        """`<prefix><FIELD>` variables, e.g. MODELPOOL_SIM_ENGINE_SPEEDUP=10."""
         found: dict[str, Any] = {}
         for name in cls.model_fields:
-            value = env.get(ENV_PREFIX + name.upper())
+            value = env.get(prefix + name.upper())
             if value is not None and value != "":
                 found[name] = value
         return found
@@ -143,9 +163,12 @@ class EngineConfig(BaseModel):
         env: Mapping[str, str] | None = None,
         **explicit: Any,
     ) -> "EngineConfig":
-        """Defaults of the profile, then environment, then explicit arguments (None = unset)."""
+        """Defaults of the profile, then `MODELPOOL_SIM_ENGINE_*`, then the profile's own variables
+        (`MODELPOOL_SIM_VLLM_*` / `MODELPOOL_SIM_LLAMA_CPP_*`), then explicit arguments (None = unset)."""
+        env = os.environ if env is None else env
         layers: dict[str, Any] = cls.profile_defaults(profile)
-        layers.update(cls.from_env(os.environ if env is None else env))
+        layers.update(cls.from_env(env))
+        layers.update(cls.from_env(env, PROFILE_ENV_PREFIXES[profile]))
         layers.update({k: v for k, v in explicit.items() if v is not None})
         layers["profile"] = profile
         return cls.model_validate(layers)

@@ -65,6 +65,8 @@ class EngineSnapshot:
     cpu_bytes: int
     lifecycle_state: str
     speedup: float
+    cache_config: dict[str, str]
+    """vLLM's cache configuration labels (`EngineConfig.cache_config_info`)."""
 
 
 def render_vllm(stats: EngineStats, snap: EngineSnapshot) -> str:
@@ -83,6 +85,11 @@ def render_vllm(stats: EngineStats, snap: EngineSnapshot) -> str:
         family(out, name, "histogram", help_text)
         out.extend(h.lines(name, labels))
 
+    # vLLM's config "info" gauge: value 1, the configuration in the labels. Clients read
+    # num_gpu_blocks x block_size as the KV cache's size in tokens.
+    family(out, "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig")
+    config_labels = ",".join(f'{k}="{v}"' for k, v in snap.cache_config.items())
+    out.append(f'vllm:cache_config_info{{{config_labels},engine="0"}} 1.0')
     gauge("vllm:num_requests_running", "Number of requests in model execution batches.", snap.running)
     gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", snap.waiting + snap.deferred)
     kv = snap.kv_used_tokens / snap.kv_total_tokens if snap.kv_total_tokens else 0.0

@@ -1,0 +1,213 @@
+"""Benchmark: one tick of the controller's pure part over a large pool.
+
+A pool of A aliases with I instances in all (default 1,000 x 10,000: per alias
+two or three llama.cpp instances, a vLLM instance awake or asleep at every rung
+of the ladder, commands in flight, instances failing) with live facts from two
+gateways and the workers' heartbeats. One tick is what the autoscaler does
+between its reads and its writes, for every alias: merge the gateways' windows,
+read the demand and the heartbeats, build the snapshot (`build_snapshot`), and
+decide (`policy.decide`, rules and reconciler included). The state each
+decision leaves is carried to the next tick, the clock moves on a second, and
+the load drifts, so ticks see counters, ramps and ladders at work. The target
+is 100 ms per tick.
+
+    .venv/bin/python bench/controller.py [--aliases 1000] [--instances 10000] [--ticks 40]
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from policy import decide  # noqa: E402
+from services.autoscaler.controller import tune_collector  # noqa: E402
+from services.autoscaler.facts import LiveFacts  # noqa: E402
+from services.autoscaler.snapshot import InstanceViews, build_snapshot  # noqa: E402
+from shared.contracts.config import AliasConfig, PolicySettings  # noqa: E402
+from shared.contracts.control import PolicyState  # noqa: E402
+from shared.contracts.states import RoutingState  # noqa: E402
+from shared.contracts.telemetry import (  # noqa: E402
+    GatewayWindow,
+    HistogramRecorder,
+    InstanceStatus,
+    WorkerHeartbeat,
+)
+
+T0 = datetime(2026, 11, 23, 8, 0, tzinfo=timezone.utc)
+STATES = [RoutingState.FAST_ONLY, RoutingState.WARMING_VLLM, RoutingState.MIXED, RoutingState.VLLM_PRIMARY,
+          RoutingState.DEGRADED_FAST, RoutingState.COLD]
+
+
+def alias_config(name: str) -> AliasConfig:
+    return AliasConfig.model_validate({"alias": name, "backends": {
+        "llama.cpp": {"model_name": "m", "model_path": "default", "gpu_memory_gb": 0, "min_replicas": 0, "max_replicas": 4},
+        "vllm": {"model_name": "m", "model_path": "m", "gpu_memory_gb": 12, "min_replicas": 0, "max_replicas": 3,
+                 "max_model_len": 4096, "engine": "simulator"},
+    }})
+
+
+def build_pool(aliases: int, instances: int, rng: random.Random):
+    configs = [alias_config(f"model-{n:04d}") for n in range(aliases)]
+    per_alias = instances // aliases
+    rows: dict[str, list[dict]] = {}
+    routing: dict[str, dict] = {}
+    control: dict[str, dict] = {}
+    heartbeats: dict[str, list[InstanceStatus]] = {}
+    for n, config in enumerate(configs):
+        state = STATES[n % len(STATES)]
+        routing[config.alias] = {"alias": config.alias, "state": state.value, "mix_weight": 0.5 if state is RoutingState.MIXED else 0.0,
+                                 "switched_at": T0 - timedelta(seconds=rng.randint(0, 900)), "targets": {"llama.cpp": 1, "vllm": 1}}
+        alias_rows = []
+        for k in range(per_alias):
+            slow = k >= per_alias - 3
+            backend = "vllm" if slow else "llama.cpp"
+            choice = rng.random()
+            inst_state = "RUNNING" if choice < 0.7 else ("SLEEP_1" if slow and choice < 0.8 else "SLEEP_2" if slow and choice < 0.85
+                                                          else "STARTING" if choice < 0.9 else "DRAINING" if choice < 0.95 else "ERROR")
+            row = {"instance_id": f"{config.alias}-{k}", "alias": config.alias, "backend_type": backend,
+                   "engine": "simulator", "worker_id": f"w{(n * per_alias + k) % 200}", "state": inst_state,
+                   "sleep_level": {"SLEEP_1": 1, "SLEEP_2": 2}.get(inst_state, 0), "capacity": 38 if slow else 8,
+                   "updated_at": T0 - timedelta(seconds=rng.randint(0, 2000))}
+            alias_rows.append(row)
+            heartbeats.setdefault(row["worker_id"], []).append(InstanceStatus(
+                instance_id=row["instance_id"], alias=config.alias, backend_type=backend, engine="simulator",
+                status=inst_state, inflight_requests=rng.randint(0, 6) if inst_state == "RUNNING" else 0,
+                capacity=row["capacity"], last_active_at=T0 - timedelta(seconds=rng.randint(0, 2000))))
+        rows[config.alias] = alias_rows
+        pending = {}
+        if n % 7 == 0:
+            pending[str(uuid.uuid4())] = {"action": "start", "backend": "vllm", "instance_id": f"{config.alias}-new",
+                                          "worker_id": None, "level": 0, "issued_at": T0.isoformat(), "acked": True}
+        control[config.alias] = {"alias": config.alias, "version": 10 + n % 5, "pending": pending, "start_failures": {}, "notes": {}}
+    return configs, rows, routing, control, heartbeats
+
+
+def feed(facts: LiveFacts, configs, heartbeats, now: datetime, rng: random.Random, windows: bool) -> None:
+    """What the bus brought since the last tick: every worker's heartbeat, with a third of the
+    instances' load changed; every other tick (2 s windows, 1 s ticks) a window from each of two gateways."""
+    for worker_id, statuses in heartbeats.items():
+        for n, status in enumerate(statuses):
+            if rng.random() < 0.33 and status.status == "RUNNING":
+                statuses[n] = status.model_copy(update={"inflight_requests": rng.randint(0, 6), "last_active_at": now})
+        facts.heard(WorkerHeartbeat(worker_id=worker_id, at=now, interval_s=1.0, instances=list(statuses)))
+    if not windows:
+        return
+    start = now - timedelta(seconds=2)
+    for config in configs:
+        base = rng.choice([0.0, 0.5, 2.0, 4.0, 12.0, 30.0])
+        for gateway in ("g1", "g2"):
+            e2e = HistogramRecorder()
+            for _ in range(8):
+                e2e.record(rng.uniform(0.2, 4.0))
+            facts.window(GatewayWindow(gateway_id=gateway, alias=config.alias, window_start=start, window_end=now - timedelta(seconds=1),
+                                       arrivals=int(base * 2), requests_fast=int(base), requests_slow=int(base),
+                                       inflight_fast=base / 2, inflight_slow=base / 2, e2e_fast_s=e2e.snapshot(),
+                                       e2e_slow_s=e2e.snapshot()))
+
+
+def tick(configs, rows, routing, control, facts: LiveFacts, states, settings, now, views: InstanceViews) -> list:
+    statuses = facts.statuses()
+    workers_up = set(facts.heartbeats)
+    fresh = facts.fresh_workers(now)
+    decisions = []
+    for config in configs:
+        snapshot = build_snapshot(
+            config=config, settings=settings, routing_row=routing[config.alias], control_row=control[config.alias],
+            instance_rows=rows[config.alias], statuses=statuses, workers_up=workers_up, fresh_workers=fresh,
+            metrics=facts.metrics(config.alias, now), demand=facts.waiting(config.alias, now),
+            state=states.get(config.alias) or PolicyState(), now=now, views=views,
+        )
+        decision = decide(snapshot, now)
+        states[config.alias] = decision.state
+        decisions.append((config.alias, decision))
+    return decisions
+
+
+EFFECT = {"wake": "RUNNING", "drain": "DRAINING"}
+
+
+def record(routing_row: dict, control_row: dict, alias_rows: list[dict], decision, now: datetime) -> None:
+    """What the log, the projections and the workers make of a decision before the next tick (not
+    timed: it is the append's, the projector's and the workers' work, not the pure part's)."""
+    by_id = {r["instance_id"]: r for r in alias_rows}
+    for a in decision.actions:
+        row = by_id.get(a.instance_id)
+        if a.action.value == "start":
+            alias_rows.append({"instance_id": a.instance_id, "alias": routing_row["alias"], "backend_type": a.backend.value,
+                               "engine": "simulator", "worker_id": "w0", "state": "RUNNING", "sleep_level": 0,
+                               "capacity": 38 if a.backend.value == "vllm" else 8, "updated_at": now})
+        elif a.action.value == "delete" and row is not None:
+            alias_rows.remove(row)
+        elif row is not None:
+            row.update(state=EFFECT.get(a.action.value) or f"SLEEP_{a.level}", updated_at=now,
+                       sleep_level=a.level if a.action.value == "sleep" else 0)
+    if decision.routing:
+        routing_row.update(state=decision.routing.to_state.value, switched_at=now)
+    routing_row["mix_weight"] = decision.mix_weight
+    routing_row["targets"] = {b.value: n for b, n in decision.targets.items()}
+    pending = control_row["pending"]
+    for command_id in [c for c, cmd in pending.items() if now - datetime.fromisoformat(cmd["issued_at"]) > timedelta(seconds=3)]:
+        del pending[command_id]  # commands complete a few seconds after they are sent
+    for a in decision.actions:
+        pending[str(a.command_id)] = {
+            "action": a.action.value, "backend": a.backend.value, "instance_id": a.instance_id,
+            "worker_id": a.worker_id, "level": a.level, "issued_at": now.isoformat(), "acked": True}
+    control_row["version"] += 1 if decision.actions or decision.routing else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--aliases", type=int, default=1000)
+    parser.add_argument("--instances", type=int, default=10_000)
+    parser.add_argument("--ticks", type=int, default=40)
+    args = parser.parse_args()
+    rng = random.Random(1)
+    configs, rows, routing, control, heartbeats = build_pool(args.aliases, args.instances, rng)
+    settings = PolicySettings()
+    facts = LiveFacts()
+    views = InstanceViews()
+    states: dict = {}
+    times, actions = [], 0
+    now = T0
+    tune_collector()  # as the autoscaler does once its view is loaded
+    for n in tqdm(range(args.ticks), desc="ticks", file=sys.stderr):
+        now += timedelta(seconds=1)
+        feed(facts, configs, heartbeats, now, rng, windows=n % 2 == 0)
+        start = time.perf_counter()
+        decisions = tick(configs, rows, routing, control, facts, states, settings, now, views)
+        times.append((time.perf_counter() - start) * 1000)
+        for alias, decision in decisions:
+            actions += len(decision.actions)
+            record(routing[alias], control[alias], rows[alias], decision, now)
+    times.sort()
+    result = {
+        "tick_ms_p50": round(statistics.median(times), 2),
+        "tick_ms_p99": round(times[min(len(times) - 1, int(0.99 * len(times)))], 2),
+        "tick_ms_min": round(times[0], 2),
+        "aliases": args.aliases,
+        "instances": args.instances,
+        "instances_at_end": sum(len(r) for r in rows.values()),
+        "ticks": args.ticks,
+        "actions_per_tick": round(actions / args.ticks, 1),
+    }
+    print(f"one tick over {result['aliases']} aliases / {result['instances']} instances: p50 {result['tick_ms_p50']} ms, "
+          f"p99 {result['tick_ms_p99']} ms (target 100 ms)", file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

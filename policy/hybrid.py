@@ -1,0 +1,451 @@
+"""The hybrid fast/slow policy of seed 000: llama.cpp takes the first wave, vLLM the sustained load.
+
+Routing state machine (§4.1), one step per tick at most:
+
+    COLD --first demand--> FAST_ONLY --N_up windows of load--> WARMING_VLLM
+      --N_ready healthy probes--> MIXED (20 -> 50 -> 80 -> 100 %) --ramp done--> VLLM_PRIMARY
+      --low load for HYBRID_DOWN_HOLD_S, vLLM idle--> FAST_ONLY --idle, min_replicas 0--> COLD
+    any state --vLLM failed to start / unhealthy / warm timeout / timeouts--> DEGRADED_FAST
+      --retry window, load still high--> WARMING_VLLM   (--load gone--> FAST_ONLY)
+
+Capacities (§5.1): C_vllm from the instances' reported capacity, else
+floor(T_kv / T_req); C_eff = floor(alpha C_vllm), C_up = max(1, C_eff),
+C_down = max(1, floor(beta C_vllm)), C_prepare = min(HYBRID_PREPARE_CONC, C_up).
+The fast tier is sized by L_target = max(L_floor, ceil(max(0, inflight_total - C_eff) / C_l)),
+C_eff being what the serving vLLM instances take. Surplus vLLM instances sleep by
+idleness (§5.4: SLEEP_1, SLEEP_2, then drain + delete); surplus llama.cpp ones are
+asked to sleep too, which the capability matrix turns into drain + delete (§3.2).
+
+Two readings of the seed, said here once:
+- "low load" for VLLM_PRIMARY -> FAST_ONLY is inflight_total < min(C_down, C_prepare):
+  strictly below the warm-up trigger, or the two would chase each other;
+- the MIXED ramp holds each weight HYBRID_MIX_STEP_S and steps on only while vLLM
+  is healthy, within HYBRID_E2E_SLA_S and without errors in the window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import ClassVar
+
+from policy.base import RELEASE_AT_ONCE, Ladder, Proposal, Wish
+from policy.capacity import c_down, c_eff, c_prepare, c_up, c_vllm_estimate, l_target
+from shared.contracts.backends import BackendType
+from shared.contracts.config import PolicySettings
+from shared.contracts.control import (
+    AliasSnapshot,
+    ColdStart,
+    HybridState,
+    InstanceView,
+    MixChange,
+    NextStep,
+    RoutingChange,
+    evolve,
+)
+from shared.contracts.states import InstanceState, RoutingState
+
+FAST, SLOW = BackendType.LLAMA_CPP, BackendType.VLLM
+R = RoutingState
+RUNNING, ERROR = InstanceState.RUNNING, InstanceState.ERROR
+DEFAULT_REQUEST_TOKENS = 4096
+
+
+@dataclass(slots=True)
+class Load:
+    """The load one decision works from: the merged gateway window, or the workers' view without one."""
+
+    inflight_fast: float
+    inflight_slow: float
+    waiting: int
+    """Requests held at the gateways for an instance to start or wake."""
+    arrivals: int
+    queue_wait_p95: float | None = None
+    e2e_p95_fast: float | None = None
+    e2e_p95_slow: float | None = None
+    slow_failures: int = 0
+    """vLLM errors and timeouts in the window."""
+    measured: bool = False
+
+    @property
+    def total(self) -> float:
+        return self.inflight_fast + self.inflight_slow
+
+    @property
+    def busy(self) -> bool:
+        return self.total > 0 or self.waiting > 0 or self.arrivals > 0
+
+
+def load_of(s: AliasSnapshot) -> Load:
+    m = s.metrics
+    if m is None:
+        running = [i for i in s.instances if i.state is RUNNING]
+        return Load(
+            inflight_fast=float(sum(i.inflight for i in running if i.backend is FAST)),
+            inflight_slow=float(sum(i.inflight for i in running if i.backend is SLOW)),
+            waiting=s.demand, arrivals=0,
+        )
+    return Load(
+        inflight_fast=m.inflight_fast, inflight_slow=m.inflight_slow, waiting=max(s.demand, m.held),
+        arrivals=m.arrivals, queue_wait_p95=m.queue_wait_p95_s, e2e_p95_fast=m.e2e_p95_fast_s,
+        e2e_p95_slow=m.e2e_p95_slow_s, slow_failures=m.errors_slow + m.timeouts_slow, measured=True,
+    )
+
+
+@dataclass(slots=True)
+class Capacity:
+    c_l: int
+    c_vllm: int
+    c_up: int
+    c_down: int
+    c_prepare: int
+    c_vllm_source: str
+    fast_reported: int | None
+    slow_reported: int | None
+
+    def describe(self) -> str:
+        return (f"C_vllm {self.c_vllm} ({self.c_vllm_source}), C_up {self.c_up}, C_down {self.c_down}, "
+                f"C_prepare {self.c_prepare}, C_l {self.c_l}")
+
+
+def capacity_of(s: AliasSnapshot, memory: HybridState) -> Capacity:
+    cfg = s.settings
+    fast_reported = max((i.capacity or 0 for i in s.of(FAST)), default=0)
+    slow_reported = max((i.capacity or 0 for i in s.of(SLOW)), default=0)
+    c_l = fast_reported or memory.fast_capacity or cfg.LLAMA_C_L
+    if slow_reported:
+        c_vllm, source = slow_reported, "reported"
+    elif memory.vllm_capacity:
+        c_vllm, source = memory.vllm_capacity, "last reported"
+    else:
+        slow_cfg = s.config.backends.get(SLOW)
+        t_req = cfg.HYBRID_REQUEST_TOKENS or (slow_cfg.max_model_len if slow_cfg and slow_cfg.max_model_len else None) \
+            or DEFAULT_REQUEST_TOKENS
+        c_vllm, source = c_vllm_estimate(cfg.HYBRID_VLLM_KV_TOKENS, t_req), f"T_kv {cfg.HYBRID_VLLM_KV_TOKENS} / T_req {t_req}"
+    up = c_up(cfg.HYBRID_ALPHA, c_vllm)
+    return Capacity(c_l=c_l, c_vllm=c_vllm, c_up=up, c_down=c_down(cfg.HYBRID_BETA, c_vllm),
+                    c_prepare=c_prepare(cfg.HYBRID_PREPARE_CONC, up), c_vllm_source=source,
+                    fast_reported=fast_reported or None, slow_reported=slow_reported or None)
+
+
+def _seconds(delta: timedelta) -> float:
+    return delta.total_seconds()
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}".rstrip("0").rstrip(".")
+
+
+@dataclass(slots=True)
+class _Tick:
+    """What every state's handler reads: the snapshot and what this tick made of it."""
+
+    s: AliasSnapshot
+    now: datetime
+    load: Load
+    cap: Capacity
+    up_reasons: list[str]
+    counted: bool
+    """A new window (or no windows at all): counters and probes count this tick."""
+    ready: list[InstanceView]
+    """vLLM instances running and healthy."""
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one state's handler decides: where to go (if anywhere), and the memory after."""
+
+    memory: HybridState
+    to: RoutingState | None = None
+    reason: str = ""
+    mix: MixChange | None = None
+    outlook: tuple[NextStep, ...] = ()
+
+
+class HybridPolicy:
+    name = "hybrid"
+    version = 1
+
+    def propose(self, s: AliasSnapshot, now: datetime, new_window: bool) -> Proposal:
+        cfg = s.settings
+        load = load_of(s)
+        memory = s.state.policy
+        cap = capacity_of(s, memory)
+        up_reasons = self._up_reasons(load, cap, cfg)
+        counted = new_window or s.metrics is None  # probes and windows count once per window
+        slow_serving = s.routing_state in (R.MIXED, R.VLLM_PRIMARY)
+        up_windows = (memory.up_windows + 1 if up_reasons else 0) if new_window else memory.up_windows
+        timeout_windows = (memory.timeout_windows + 1 if slow_serving and load.slow_failures else 0) \
+            if new_window else memory.timeout_windows
+        idle_since = None if load.busy else (memory.idle_since or now)
+        fast_capacity = cap.fast_reported or memory.fast_capacity
+        vllm_capacity = cap.slow_reported or memory.vllm_capacity
+        if (up_windows, timeout_windows, idle_since, fast_capacity, vllm_capacity) != (
+                memory.up_windows, memory.timeout_windows, memory.idle_since, memory.fast_capacity, memory.vllm_capacity):
+            memory = evolve(memory, up_windows=up_windows, timeout_windows=timeout_windows, idle_since=idle_since,
+                            fast_capacity=fast_capacity, vllm_capacity=vllm_capacity)
+        tick = _Tick(s, now, load, cap, up_reasons, counted, self._ready(s))
+        step = self._handlers[s.routing_state](self, tick, memory)
+        state = step.to or s.routing_state
+        memory = step.memory
+        routing = RoutingChange(s.routing_state, step.to, step.reason) if step.to else None
+        cold_start, memory = self._cold_start(s, state, memory)
+        if step.mix:
+            weight = step.mix.to_weight
+        elif state is R.MIXED:
+            weight = s.mix_weight if s.routing_state is R.MIXED else cfg.HYBRID_MIX_WEIGHTS[0] / 100
+        else:
+            weight = 1.0 if state is R.VLLM_PRIMARY else 0.0
+        return Proposal(
+            wishes=self._wishes(tick, state, memory, weight),
+            memory=memory,
+            mix_weight=weight,
+            routing=routing,
+            mix=step.mix,
+            outlook=step.outlook,
+            cold_start=cold_start,
+        )
+
+    # ------------------------------------------------------------------ signals
+
+    @staticmethod
+    def _up_reasons(load: Load, cap: Capacity, cfg: PolicySettings) -> list[str]:
+        """§4.1 item 2 and the §5.2 early trigger: which of them this window shows."""
+        reasons = []
+        if load.inflight_fast >= cap.c_up:
+            reasons.append(f"inflight_fast {_fmt(load.inflight_fast)} >= C_up {cap.c_up}")
+        if load.total >= cap.c_prepare:
+            reasons.append(f"inflight_total {_fmt(load.total)} >= C_prepare {cap.c_prepare}")
+        if load.queue_wait_p95 is not None and load.queue_wait_p95 > cfg.HYBRID_QUEUE_SLA_S:
+            reasons.append(f"queue_wait_p95 {_fmt(load.queue_wait_p95)} s > {_fmt(cfg.HYBRID_QUEUE_SLA_S)} s")
+        if load.e2e_p95_fast is not None and load.e2e_p95_fast > cfg.HYBRID_E2E_SLA_S:
+            reasons.append(f"e2e_p95_fast {_fmt(load.e2e_p95_fast)} s > {_fmt(cfg.HYBRID_E2E_SLA_S)} s")
+        return reasons
+
+    @staticmethod
+    def _hybrid(s: AliasSnapshot) -> bool:
+        return s.settings.HYBRID_ENABLE and FAST in s.config.backends and SLOW in s.config.backends
+
+    @staticmethod
+    def _slow_failure(s: AliasSnapshot, since: datetime | None) -> str | None:
+        """A vLLM start that failed, or a vLLM instance in ERROR, since `since`."""
+        failure = s.start_failures.get(SLOW)
+        if failure and (since is None or failure.at >= since):
+            return f"vLLM start of {failure.instance_id} failed: {failure.reason}"
+        broken = [i for i in s.of(SLOW) if i.state is ERROR and (since is None or i.state_since >= since)]
+        if broken:
+            return f"vLLM instance {broken[0].instance_id} failed"
+        return None
+
+    @staticmethod
+    def _ready(s: AliasSnapshot) -> list[InstanceView]:
+        return [i for i in s.of(SLOW) if i.state is RUNNING and i.healthy]
+
+    # ------------------------------------------------------------------ states
+
+    def _cold(self, t: _Tick, memory: HybridState) -> _Step:
+        s, load, now = t.s, t.load, t.now
+        standing = sum(b.min_replicas for b in s.config.backends.values())
+        if not (load.busy or standing):
+            return _Step(memory, outlook=(NextStep("leaves COLD on the first request"),))
+        why = f"{load.waiting} request(s) waiting" if load.waiting else (
+            f"{load.arrivals} request(s) arrived" if load.arrivals else f"min_replicas asks for {standing}")
+        memory = evolve(memory, demand_at=now if load.busy else None, low_load_since=None)
+        if FAST in s.config.backends:
+            return _Step(memory, R.FAST_ONLY, f"first demand ({why}): llama.cpp takes it")
+        return _Step(memory, R.VLLM_PRIMARY, f"first demand ({why}): vLLM takes it (no fast tier)")
+
+    def _fast_only(self, t: _Tick, memory: HybridState) -> _Step:
+        s, now, cap, up_reasons = t.s, t.now, t.cap, t.up_reasons
+        cfg = s.settings
+        if self._hybrid(s) and memory.up_windows >= cfg.HYBRID_UP_CONSECUTIVE:
+            return _Step(evolve(memory, warming_since=now, ready_probes=0), R.WARMING_VLLM,
+                         f"{memory.up_windows} consecutive windows with {'; '.join(up_reasons)} ({cap.describe()})")
+        outlook: list[NextStep] = []
+        if self._hybrid(s) and memory.up_windows:
+            outlook.append(NextStep(f"WARMING_VLLM after {cfg.HYBRID_UP_CONSECUTIVE - memory.up_windows} more "
+                                    f"window(s) with {'; '.join(up_reasons) or 'load'}"))
+        if memory.idle_since is not None and all(b.min_replicas == 0 for b in s.config.backends.values()):
+            cold_at = memory.idle_since + timedelta(seconds=cfg.HYBRID_COLD_IDLE_S)
+            if now >= cold_at:
+                return _Step(evolve(memory, up_windows=0), R.COLD,
+                             f"no request for {_fmt(_seconds(now - memory.idle_since))} s and min_replicas 0")
+            outlook.append(NextStep("COLD if no request comes", cold_at))
+        return _Step(memory, outlook=tuple(outlook))
+
+    def _warming(self, t: _Tick, memory: HybridState) -> _Step:
+        s, now = t.s, t.now
+        cfg = s.settings
+        since = memory.warming_since or s.routing_since or now
+        failed = self._slow_failure(s, since)
+        if failed:
+            return self._degrade(memory, now, failed)
+        timeout_at = since + timedelta(seconds=cfg.HYBRID_VLLM_WARM_TIMEOUT_S)
+        ready = t.ready
+        probes = (memory.ready_probes + 1 if ready else 0) if t.counted else memory.ready_probes
+        if (probes, since) != (memory.ready_probes, memory.warming_since):
+            memory = evolve(memory, ready_probes=probes, warming_since=since)
+        if probes >= cfg.HYBRID_READY_PROBES:
+            return _Step(evolve(memory, mix_step_since=now), R.MIXED,
+                         f"vLLM {ready[0].instance_id} healthy in {probes} consecutive probes; "
+                         f"{cfg.HYBRID_MIX_WEIGHTS[0]} % of traffic to vLLM")
+        if now > timeout_at:
+            return self._degrade(memory, now, f"vLLM not ready after {_fmt(cfg.HYBRID_VLLM_WARM_TIMEOUT_S)} s "
+                                              f"(HYBRID_VLLM_WARM_TIMEOUT_S)")
+        return _Step(memory, outlook=(
+            NextStep(f"MIXED after {cfg.HYBRID_READY_PROBES - probes} more healthy probe(s) of vLLM"),
+            NextStep("DEGRADED_FAST if vLLM is not ready", timeout_at),
+        ))
+
+    def _mixed(self, t: _Tick, memory: HybridState) -> _Step:
+        s, now, load = t.s, t.now, t.load
+        cfg = s.settings
+        trouble = self._serving_trouble(t, memory)
+        if trouble:
+            return self._degrade(memory, now, trouble)
+        weight = s.mix_weight
+        step_since = memory.mix_step_since or s.routing_since or now
+        next_at = step_since + timedelta(seconds=cfg.HYBRID_MIX_STEP_S)
+        held = self._sla_breach(load, cfg)
+        upcoming = [w / 100 for w in cfg.HYBRID_MIX_WEIGHTS if w / 100 > weight + 1e-9]
+        if now < next_at or held:
+            what = f"{int(upcoming[0] * 100)} % to vLLM" if upcoming else "VLLM_PRIMARY"
+            note = f"{what} if vLLM stays healthy and within SLA" if not held else f"{what} held: {held}"
+            if memory.mix_step_since != step_since:
+                memory = evolve(memory, mix_step_since=step_since)
+            return _Step(memory, outlook=(NextStep(note, max(now, next_at)),))
+        ready = f"vLLM healthy, e2e_p95 {_fmt(load.e2e_p95_slow)} s <= {_fmt(cfg.HYBRID_E2E_SLA_S)} s"
+        if upcoming:
+            change = MixChange(weight, upcoming[0], f"held {int(round(weight * 100))} % for "
+                                                    f"{_fmt(_seconds(now - step_since))} s, {ready}")
+            return _Step(evolve(memory, mix_step_since=now), mix=change)
+        return _Step(evolve(memory, mix_step_since=None, low_load_since=None), R.VLLM_PRIMARY,
+                     f"ramp complete at 100 % and held {_fmt(_seconds(now - step_since))} s, {ready}")
+
+    def _vllm_primary(self, t: _Tick, memory: HybridState) -> _Step:
+        s, now, load, cap = t.s, t.now, t.load, t.cap
+        cfg = s.settings
+        hybrid = self._hybrid(s)
+        if hybrid:
+            trouble = self._serving_trouble(t, memory)
+            if trouble:
+                return self._degrade(memory, now, trouble)
+        threshold = min(cap.c_down, cap.c_prepare)
+        low = load.measured and load.total < threshold and load.waiting == 0
+        low_since = (memory.low_load_since or now) if low else None
+        if low_since != memory.low_load_since:
+            memory = evolve(memory, low_load_since=low_since)
+        if not hybrid and not s.of(SLOW) and not load.busy:
+            return _Step(evolve(memory, low_load_since=None), R.COLD, "no vLLM instance left and no request (no fast tier)")
+        if low_since is None:
+            return _Step(memory, outlook=(NextStep(f"FAST_ONLY after {_fmt(cfg.HYBRID_DOWN_HOLD_S)} s "
+                                                   f"of inflight_total < {threshold}"),))
+        down_at = low_since + timedelta(seconds=cfg.HYBRID_DOWN_HOLD_S)
+        if hybrid and now >= down_at and load.inflight_slow == 0:
+            return _Step(evolve(memory, low_load_since=None), R.FAST_ONLY,
+                         f"inflight_total {_fmt(load.total)} < {threshold} (min(C_down, C_prepare)) for "
+                         f"{_fmt(_seconds(now - low_since))} s and vLLM idle")
+        what = "FAST_ONLY if load stays low and vLLM is idle" if hybrid else "vLLM idle: may sleep"
+        return _Step(memory, outlook=(NextStep(what, down_at),))
+
+    def _degraded(self, t: _Tick, memory: HybridState) -> _Step:
+        s, now, up_reasons = t.s, t.now, t.up_reasons
+        cfg = s.settings
+        since = memory.degraded_at or s.routing_since or now
+        retry_at = since + timedelta(seconds=cfg.HYBRID_RETRY_S)
+        if memory.degraded_at != since:
+            memory = evolve(memory, degraded_at=since)
+        if now < retry_at:
+            return _Step(memory, outlook=(NextStep("retry vLLM (WARMING_VLLM) if load still calls for it", retry_at),))
+        if memory.up_windows >= cfg.HYBRID_UP_CONSECUTIVE:
+            return _Step(evolve(memory, degraded_at=None, degraded_reason="", warming_since=now, ready_probes=0),
+                         R.WARMING_VLLM, f"retry window of {_fmt(cfg.HYBRID_RETRY_S)} s reached and load still calls "
+                                         f"for vLLM: {'; '.join(up_reasons)}")
+        return _Step(evolve(memory, degraded_at=None, degraded_reason=""), R.FAST_ONLY,
+                     f"retry window of {_fmt(cfg.HYBRID_RETRY_S)} s reached; load no longer calls for vLLM")
+
+    # ------------------------------------------------------------------ shared pieces
+
+    def _serving_trouble(self, t: _Tick, memory: HybridState) -> str | None:
+        s = t.s
+        if not t.ready:
+            failed = self._slow_failure(s, None)
+            return f"vLLM unhealthy: no healthy running instance ({failed or 'none reporting'})"
+        if memory.timeout_windows >= s.settings.HYBRID_TIMEOUT_WINDOWS:
+            return f"vLLM errors or timeouts in {memory.timeout_windows} consecutive windows"
+        return None
+
+    @staticmethod
+    def _sla_breach(load: Load, cfg: PolicySettings) -> str | None:
+        if load.slow_failures:
+            return f"{load.slow_failures} vLLM error(s) in the window"
+        if load.e2e_p95_slow is not None and load.e2e_p95_slow > cfg.HYBRID_E2E_SLA_S:
+            return f"vLLM e2e_p95 {_fmt(load.e2e_p95_slow)} s > {_fmt(cfg.HYBRID_E2E_SLA_S)} s"
+        return None
+
+    @staticmethod
+    def _degrade(memory: HybridState, now: datetime, reason: str) -> _Step:
+        memory = evolve(memory, degraded_at=now, degraded_reason=reason, warming_since=None, ready_probes=0,
+                         mix_step_since=None, low_load_since=None, timeout_windows=0)
+        return _Step(memory, R.DEGRADED_FAST, reason)
+
+    @staticmethod
+    def _cold_start(s: AliasSnapshot, state: RoutingState, memory: HybridState) -> tuple[ColdStart | None, HybridState]:
+        """The first instance serving after demand reached a cold alias ends its cold start."""
+        if memory.demand_at is None:
+            return None, memory
+        if state is R.COLD:
+            return None, evolve(memory, demand_at=None)
+        serving = sorted((i for i in s.instances if i.state is RUNNING and i.state_since >= memory.demand_at),
+                         key=lambda i: (i.state_since, i.instance_id))
+        if not serving:
+            return None, memory
+        first = serving[0]
+        return ColdStart(first.backend, first.instance_id, memory.demand_at, first.state_since), evolve(memory, demand_at=None)
+
+    # ------------------------------------------------------------------ wishes
+
+    def _wishes(self, t: _Tick, state: RoutingState, memory: HybridState, weight: float) -> dict[BackendType, Wish]:
+        s, load, cap, now = t.s, t.load, t.cap, t.now
+        cfg = s.settings
+        wishes: dict[BackendType, Wish] = {}
+        slow_ladder = Ladder(cfg.VLLM_SLEEP_L1_IDLE_S, cfg.VLLM_SLEEP_L2_IDLE_S, cfg.VLLM_DELETE_IDLE_S)
+        fast_cfg = s.config.backends.get(FAST)
+        if fast_cfg is not None:
+            if state is R.COLD:
+                wishes[FAST] = Wish(0, "COLD: no instance kept")
+            else:
+                floor = max(cfg.LLAMA_FLOOR_REPLICAS, fast_cfg.min_replicas)
+                serving = t.ready if state in (R.MIXED, R.VLLM_PRIMARY) else []
+                # What vLLM takes: its effective capacity, but never more than its share of the traffic.
+                taken = min(sum(c_eff(cfg.HYBRID_ALPHA, i.capacity or cap.c_vllm) for i in serving), weight * load.total)
+                n = l_target(floor, load.total, taken, cap.c_l)
+                reason = f"L_target = max({floor}, ceil(max(0, {_fmt(load.total)} - C_eff {_fmt(taken)}) / C_l {cap.c_l})) = {n}"
+                if state in (R.WARMING_VLLM, R.MIXED):
+                    # §5.3: the buffer is reclaimed once vLLM is primary, not while traffic is still moving.
+                    awake = sum(1 for i in s.of(FAST) if i.state in (InstanceState.RUNNING, InstanceState.STARTING))
+                    if awake > n:
+                        n, reason = awake, f"{reason}; the {awake} replicas are kept until VLLM_PRIMARY (§5.3)"
+                wishes[FAST] = Wish(n, reason, RELEASE_AT_ONCE)
+        if SLOW in s.config.backends:
+            needed = max(1, math.ceil(round(load.total, 3) / cap.c_up))
+            if state in (R.WARMING_VLLM, R.MIXED) or (state is R.VLLM_PRIMARY and self._hybrid(s)):
+                wishes[SLOW] = Wish(needed, f"{state.value}: ceil({_fmt(load.total)} / C_up {cap.c_up}) = {needed}, "
+                                            f"at least 1", slow_ladder)
+            elif state is R.VLLM_PRIMARY:  # no fast tier: vLLM serves alone, and may rest when idle for long
+                parked = memory.low_load_since is not None and \
+                    now >= memory.low_load_since + timedelta(seconds=cfg.HYBRID_DOWN_HOLD_S)
+                wishes[SLOW] = Wish(0, "vLLM idle past HYBRID_DOWN_HOLD_S", slow_ladder) if parked else \
+                    Wish(needed, f"serves alone: ceil({_fmt(load.total)} / C_up {cap.c_up}) = {needed}", slow_ladder)
+            elif state is R.DEGRADED_FAST:
+                wishes[SLOW] = Wish(0, f"DEGRADED_FAST: {memory.degraded_reason}", Ladder(delete_after_s=0.0), urgent=True)
+            else:
+                wishes[SLOW] = Wish(0, f"{state.value}: vLLM not routed; idle instances sleep, then go", slow_ladder)
+        return wishes
+
+    _handlers: ClassVar[dict[RoutingState, Callable[["HybridPolicy", _Tick, HybridState], _Step]]] = {
+        R.COLD: _cold, R.FAST_ONLY: _fast_only, R.WARMING_VLLM: _warming, R.MIXED: _mixed,
+        R.VLLM_PRIMARY: _vllm_primary, R.DEGRADED_FAST: _degraded,
+    }

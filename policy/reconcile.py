@@ -1,0 +1,205 @@
+"""From planned targets to instance commands, in the order of seed 000 §12.3.
+
+Per tier, against its census (observed plus in flight):
+- below target: wake sleeping instances first (level 1 before level 2, the most
+  recently busy first), then start new ones, unless a start of the tier failed
+  less than START_RETRY_S ago;
+- above target: let surplus instances go, as many as the plan allows: a start
+  still under way is cancelled first, then the least loaded, longest idle ones,
+  each taking the next step of the tier's ladder once idle long enough;
+- asleep instances walk on down the ladder (level 2, then drain + delete);
+- an instance in ERROR is deleted; a drained one is deleted.
+
+A step the backend cannot take becomes its substitute from the capability
+matrix (a llama.cpp sleep: drain, then delete once drained), and so does one
+its worker answered `unsupported`; the action records what it stands for.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from policy.base import Ladder
+from policy.census import TierCensus
+from policy.ids import command_id, new_instance_id
+from policy.rules import TierPlan
+from shared.contracts.backends import Action, BackendType, supports
+from shared.contracts.control import (
+    AliasSnapshot,
+    InstanceView,
+    NextStep,
+    PlannedAction,
+)
+from shared.contracts.states import InstanceState
+
+ORDER = {Action.START: 0, Action.WAKE: 1, Action.SLEEP: 2, Action.DRAIN: 3, Action.DELETE: 4}
+S = InstanceState
+RELEASE_SUBSTITUTE = (Action.DRAIN, Action.DELETE)
+
+
+@dataclass(slots=True)
+class Step:
+    action: Action
+    level: int
+    reason: str
+
+
+def _idle_s(i: InstanceView, now: datetime) -> float:
+    return 0.0 if i.inflight else max(0.0, (now - i.idle_since()).total_seconds())
+
+
+def ladder_step(i: InstanceView, ladder: Ladder, now: datetime) -> Step | None:
+    """The next step down `ladder` this instance has earned by its idleness, if any."""
+    idle = _idle_s(i, now)
+    level = i.sleep_level if i.state in (S.SLEEP_1, S.SLEEP_2) else 0
+    can_sleep = supports(i.backend, Action.SLEEP) and Action.SLEEP not in i.unsupported
+    if ladder.delete_after_s is not None and idle >= ladder.delete_after_s:
+        return Step(Action.DRAIN, 0, f"idle {idle:.0f} s >= {ladder.delete_after_s:g} s: drain, then delete")
+    # One rung at a time (§5.4): RUNNING -> SLEEP_1 -> SLEEP_2; a level is never skipped.
+    wanted, after = (1, ladder.sleep_1_after_s) if level == 0 else (2, ladder.sleep_2_after_s if level == 1 else None)
+    if after is None or idle < after:
+        return None
+    if can_sleep and i.inflight:
+        return None  # a real sleep waits for the last request; the substitute (a drain) does not
+    return Step(Action.SLEEP, wanted, f"idle {idle:.0f} s >= {after:g} s: sleep level {wanted}")
+
+
+def next_ladder_time(i: InstanceView, ladder: Ladder) -> NextStep | None:
+    level = i.sleep_level if i.state in (S.SLEEP_1, S.SLEEP_2) else 0
+    for what, after in ((f"SLEEP_1 of {i.instance_id}", ladder.sleep_1_after_s if level < 1 else None),
+                        (f"SLEEP_2 of {i.instance_id}", ladder.sleep_2_after_s if level < 2 else None),
+                        (f"drain and delete {i.instance_id}", ladder.delete_after_s)):
+        if after is not None:
+            return NextStep(f"{what} if still idle", i.idle_since() + timedelta(seconds=after))
+    return None
+
+
+class Reconciler:
+    def __init__(self, s: AliasSnapshot, decision: uuid.UUID, now: datetime) -> None:
+        self.s = s
+        self.decision = decision
+        self.now = now
+        self.actions: list[PlannedAction] = []
+        self.outlook: list[NextStep] = []
+        self.scaled_up: set[BackendType] = set()
+        self.released: set[BackendType] = set()
+        """Tiers that started or woke instances, and tiers that let awake ones go, in this decision."""
+
+    def run(self, plans: dict[BackendType, TierPlan], censuses: dict[BackendType, TierCensus]) -> tuple[PlannedAction, ...]:
+        for backend, plan in plans.items():
+            c = censuses[backend]
+            if plan.target > c.supply:
+                self._scale_up(backend, plan, c)
+            else:
+                if plan.target < c.supply and plan.release:
+                    self._release(plan, c)
+                if not plan.halted:
+                    self._walk_asleep(plan, c)
+            self._clean_up(backend, c)
+        return tuple(sorted(self.actions, key=lambda a: (ORDER[a.action], a.backend.value, a.instance_id)))
+
+    # ------------------------------------------------------------------ steps
+
+    def _scale_up(self, backend: BackendType, plan: TierPlan, c: TierCensus) -> None:
+        need = plan.target - c.supply
+        sleepers = sorted(c.asleep, key=lambda i: (i.sleep_level, -i.idle_since().timestamp(), i.instance_id))
+        for i in sleepers:
+            if need == 0:
+                break
+            if self._recently_failed(i, Action.WAKE) or Action.WAKE in i.unsupported:
+                continue
+            self._emit(i, Action.WAKE, 0, f"scale up to {plan.target}: wake it (sleep level {i.sleep_level}) before "
+                                          f"starting a new one; {plan.reason}")
+            self.scaled_up.add(backend)
+            need -= 1
+        if need == 0:
+            return
+        failure = self.s.start_failures.get(backend)
+        retry_at = failure.at + timedelta(seconds=self.s.settings.START_RETRY_S) if failure else None
+        if retry_at is not None and self.now < retry_at:
+            self.outlook.append(NextStep(f"start {need} {backend.value} instance(s) (last start failed: "
+                                         f"{failure.reason})", retry_at))
+            return
+        version = self.s.version + 1  # the version the decision is recorded at
+        self.scaled_up.add(backend)
+        for index in range(need):
+            instance_id = new_instance_id(self.s.alias, backend, version, index)
+            self.actions.append(PlannedAction(
+                action=Action.START, backend=backend, instance_id=instance_id,
+                command_id=command_id(self.decision, Action.START, instance_id),
+                reason=f"scale up to {plan.target}: {plan.reason}",
+            ))
+
+    def _release(self, plan: TierPlan, c: TierCensus) -> None:
+        budget = min(plan.release, c.supply - plan.target)
+        starting = sorted((i for i in c.awake if i.state is S.STARTING), key=lambda i: (i.state_since, i.instance_id),
+                          reverse=True)
+        running = sorted((i for i in c.awake if i.state is S.RUNNING),
+                         key=lambda i: (i.inflight, i.idle_since(), i.instance_id))
+        for i in starting:
+            if budget == 0:
+                return
+            self._emit(i, Action.DELETE, 0, f"surplus while still starting: cancel the start; {plan.reason}")
+            self.released.add(i.backend)
+            budget -= 1
+        for i in running:
+            if budget == 0:
+                return
+            if self._step_down(i, plan):
+                self.released.add(i.backend)
+                budget -= 1
+
+    def _walk_asleep(self, plan: TierPlan, c: TierCensus) -> None:
+        for i in c.asleep:
+            self._step_down(i, plan)
+
+    def _step_down(self, i: InstanceView, plan: TierPlan) -> bool:
+        """Send the next step of the ladder if `i` has earned it (else note when it will); True if sent."""
+        step = ladder_step(i, plan.ladder, self.now)
+        if step is None:
+            upcoming = next_ladder_time(i, plan.ladder)
+            if upcoming:
+                self.outlook.append(upcoming)
+            return False
+        return self._command(i, step, plan.reason)
+
+    def _clean_up(self, backend: BackendType, c: TierCensus) -> None:
+        for i in self.s.of(backend):
+            if i.state is not S.ERROR and i.state is not S.DRAINING:
+                continue
+            if i.instance_id in c.busy or self._recently_failed(i, Action.DELETE):
+                continue
+            why = "failed: release its resources" if i.state is S.ERROR else "drained (or drain timed out): delete"
+            self._emit(i, Action.DELETE, 0, why)
+
+    # ------------------------------------------------------------------ commands
+
+    def _command(self, i: InstanceView, step: Step, plan_reason: str) -> bool:
+        """Emit `step` for `i`, or its substitute when `i` cannot take it. False when nothing can be sent."""
+        action, reason = step.action, f"{step.reason}; {plan_reason}"
+        substitute_for = None
+        if action is Action.SLEEP and not supports(i.backend, Action.SLEEP):
+            substitute_for, reason = action, f"{i.backend.value} has no sleep: drain + delete instead ({reason})"
+        elif action in i.unsupported:
+            substitute_for, reason = action, f"worker answered unsupported for {action.value}: drain + delete instead ({reason})"
+        if substitute_for is not None:
+            action = RELEASE_SUBSTITUTE[0]
+        if self._recently_failed(i, action):
+            return False
+        self._emit(i, action, step.level if action is Action.SLEEP else 0, reason, substitute_for)
+        return True
+
+    def _recently_failed(self, i: InstanceView, action: Action) -> bool:
+        if i.last_failure is None:
+            return False
+        failed, at = i.last_failure
+        return failed is action and self.now < at + timedelta(seconds=self.s.settings.COMMAND_RETRY_S)
+
+    def _emit(self, i: InstanceView, action: Action, level: int, reason: str, substitute_for: Action | None = None) -> None:
+        self.actions.append(PlannedAction(
+            action=action, backend=i.backend, instance_id=i.instance_id,
+            command_id=command_id(self.decision, action, i.instance_id), reason=reason,
+            worker_id=i.worker_id, level=level, substitute_for=substitute_for,
+        ))

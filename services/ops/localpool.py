@@ -1,0 +1,140 @@
+"""A whole pool as real processes in a namespace of its own, for scenario tests and benchmarks.
+
+    with LocalPool(database_url, nats_url, namespace, pool_yaml, workdir, workers={"w1": {...}}) as pool:
+        pool.gateway   # http://127.0.0.1:<port>/v1
+        pool.kill_worker("w1", signal.SIGKILL)
+
+Unlike `modelpool up` it starts no servers (it is given them), runs one
+process per service (relay, projector, placement, autoscaler, gateway, and
+one worker per entry of `workers`, each with its own settings), writes each
+process's output to `<workdir>/<name>.log`, and stops them all on exit. The
+caller migrates the namespace first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+from shared.net import free_port
+
+CONTROL_SERVICES = ("relay", "projector", "placement", "autoscaler", "gateway")
+
+
+class Process:
+    def __init__(self, name: str, command: str, env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", command], env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int, wait_s: float = 30.0) -> int | None:
+        if self.alive:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            return self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait()
+        finally:
+            self._log.close()
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class LocalPool:
+    def __init__(
+        self,
+        database_url: str,
+        nats_url: str,
+        namespace: str,
+        pool_yaml: str,
+        workdir: Path,
+        *,
+        workers: dict[str, dict[str, str]] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "pool.yaml"
+        config.write_text(pool_yaml)
+        self.port = free_port()
+        self.env = {
+            **os.environ, "DATABASE_URL": database_url, "NATS_URL": nats_url, "MODELPOOL_NAMESPACE": namespace,
+            "MODELPOOL_CONFIG": str(config), "MODELPOOL_GATEWAY_PORT": str(self.port), "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        self.worker_settings = workers if workers is not None else {"w1": {}}
+        self.processes: dict[str, Process] = {}
+
+    @property
+    def gateway(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, ready_timeout_s: float = 60.0) -> "LocalPool":
+        for name in CONTROL_SERVICES:
+            self.start_service(name)
+        for worker_id in self.worker_settings:
+            self.start_worker(worker_id)
+        deadline = time.monotonic() + ready_timeout_s
+        while not self._healthy():
+            dead = [p.name for p in self.processes.values() if not p.alive]
+            if dead or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the pool did not come up (exited: {dead or 'none'}); logs in {self.workdir}")
+            time.sleep(0.2)
+        return self
+
+    def start_service(self, name: str) -> Process:
+        process = Process(name, name, self.env, self.workdir / f"{name}.log")
+        self.processes[name] = process
+        return process
+
+    def start_worker(self, worker_id: str) -> Process:
+        env = {**self.env, "MODELPOOL_WORKER_ID": worker_id, **self.worker_settings[worker_id]}
+        process = Process(f"worker-{worker_id}", "worker", env, self.workdir / f"worker-{worker_id}.log")
+        self.processes[process.name] = process
+        return process
+
+    def stop_service(self, name: str, sig: int = signal.SIGTERM) -> int | None:
+        return self.processes.pop(name).signal(sig)
+
+    def kill_worker(self, worker_id: str, sig: int = signal.SIGKILL) -> int | None:
+        return self.stop_service(f"worker-{worker_id}", sig)
+
+    def stop(self) -> dict[str, int | None]:
+        # The gateway first (no new requests), workers last (their engines go with them).
+        order = sorted(self.processes, key=lambda n: (n.startswith("worker-"), n != "gateway"))
+        return {name: self.processes.pop(name).signal(signal.SIGTERM) for name in order}
+
+    def logs(self, tail: int = 3000) -> str:
+        return "\n".join(f"--- {p.name}\n{p.output()[-tail:]}" for p in self.processes.values())
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1.0) as response:
+                return response.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def __enter__(self) -> "LocalPool":
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,263 @@
+"""Telemetry on the bus: heartbeats, metric windows, demand and the controller's outlook.
+
+Each kind travels the way its use asks for (docs/bus.md says why):
+
+- heartbeats (with every instance's status) and the controller's outlook are
+  *latest values*: a key-value bucket keeps one entry per worker or alias, in
+  memory, with a TTL, so a new leader or `modelpool status` reads the current
+  picture at once and nothing outlives its usefulness;
+- gateway metric windows are a *time series*: a stream with a 24 h max age
+  (and a size cap) lets the controller take the newest window of every gateway
+  and `modelpool history --plot` draw a day of load;
+- demand for a cold alias is an *interrupt*: a core NATS message, not stored,
+  sent again every second while requests wait.
+
+Every message is a versioned contract in the usual envelope. One that does not
+parse goes to the dead-letter stream with its reason and is otherwise ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta, timezone
+from typing import TypeVar
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import (
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+from pydantic import ValidationError
+
+from shared.bus import subjects as h
+from shared.bus.subjects import Subjects
+from shared.contracts.messages import Envelope, InvalidMessage, UnknownMessageType
+from shared.contracts.telemetry import (
+    ControlOutlook,
+    DemandSignal,
+    GatewayWindow,
+    TelemetryMessage,
+    WorkerHeartbeat,
+    telemetry_registry,
+)
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_TTL_S = 120.0
+"""Heartbeats vanish this long after a worker's last one; liveness uses the heartbeat's own time."""
+OUTLOOK_TTL_S = 120.0
+WINDOWS_MAX_AGE_S = 24 * 3600.0
+WINDOWS_MAX_BYTES = 256 * 1024 * 1024
+
+T = TypeVar("T", bound=TelemetryMessage)
+
+
+def alias_key(alias: str) -> str:
+    """A key-value key for an alias name, whatever characters the name holds."""
+    return base64.urlsafe_b64encode(alias.encode()).decode().rstrip("=")
+
+
+class TelemetryBus:
+    """Publishing and reading telemetry for one namespace."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, subjects: Subjects) -> None:
+        self.nc = nc
+        self.js = js
+        self.subjects = subjects
+        self.registry = telemetry_registry()
+        self._heartbeats: KeyValue | None = None
+        self._control: KeyValue | None = None
+
+    async def ensure(self) -> None:
+        """Declare the buckets and the windows stream (idempotent)."""
+        self._heartbeats = await self._bucket(self.subjects.heartbeats_bucket, HEARTBEAT_TTL_S)
+        self._control = await self._bucket(self.subjects.control_bucket, OUTLOOK_TTL_S)
+        config = StreamConfig(
+            name=self.subjects.windows_stream,
+            subjects=[self.subjects.all_windows],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=WINDOWS_MAX_AGE_S,
+            max_bytes=WINDOWS_MAX_BYTES,
+            discard=DiscardPolicy.OLD,
+        )
+        try:
+            await self.js.stream_info(config.name)
+        except NotFoundError:
+            await self.js.add_stream(config)
+
+    async def _bucket(self, name: str, ttl_s: float) -> KeyValue:
+        try:
+            return await self.js.key_value(name)
+        except BucketNotFoundError:
+            return await self.js.create_key_value(
+                KeyValueConfig(bucket=name, history=1, ttl=ttl_s, storage=StorageType.MEMORY))
+
+    # ------------------------------------------------------------------ encoding
+
+    def _encode(self, message: TelemetryMessage) -> bytes:
+        return Envelope.wrap(message).model_dump_json().encode()
+
+    async def _decode(self, data: bytes, kind: type[T], where: str) -> T | None:
+        try:
+            envelope = Envelope.model_validate_json(data)
+            message = self.registry.decode(envelope)
+        except (ValidationError, InvalidMessage, UnknownMessageType, ValueError) as exc:
+            await self._dead_letter(data, where, f"invalid telemetry: {exc}")
+            return None
+        if not isinstance(message, kind):
+            await self._dead_letter(data, where, f"expected {kind.TYPE}, got {envelope.type}")
+            return None
+        return message
+
+    async def _dead_letter(self, data: bytes, where: str, reason: str) -> None:
+        log.warning("telemetry on %s refused: %s", where, reason)
+        with contextlib.suppress(Exception):
+            await self.js.publish(self.subjects.dead_letter("telemetry"), data,
+                                  headers={h.DLQ_REASON: reason[:4000], h.DLQ_SUBJECT: where, h.DLQ_CONSUMER: "telemetry"})
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def put_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
+        assert self._heartbeats is not None, "call ensure() first"
+        await self._heartbeats.put(heartbeat.worker_id, self._encode(heartbeat))
+
+    async def heartbeats(self) -> dict[str, WorkerHeartbeat]:
+        """The latest heartbeat of every worker heard from within the bucket's TTL."""
+        assert self._heartbeats is not None, "call ensure() first"
+        return {hb.worker_id: hb for hb in await self._latest(self._heartbeats, WorkerHeartbeat)}
+
+    async def watch_heartbeats(self, on_heartbeat: Callable[[WorkerHeartbeat], None], stop: asyncio.Event) -> None:
+        assert self._heartbeats is not None, "call ensure() first"
+        await self._watch(self._heartbeats, WorkerHeartbeat, on_heartbeat, stop)
+
+    # ------------------------------------------------------------------ controller outlook
+
+    async def put_outlook(self, outlook: ControlOutlook) -> None:
+        assert self._control is not None, "call ensure() first"
+        await self._control.put(alias_key(outlook.alias), self._encode(outlook))
+
+    async def outlooks(self) -> dict[str, ControlOutlook]:
+        assert self._control is not None, "call ensure() first"
+        return {o.alias: o for o in await self._latest(self._control, ControlOutlook)}
+
+    # ------------------------------------------------------------------ metric windows
+
+    async def publish_window(self, window: GatewayWindow) -> None:
+        await self.js.publish(self.subjects.windows_of(window.gateway_id), self._encode(window))
+
+    async def follow_windows(self, on_window: Callable[[GatewayWindow], Awaitable[None] | None], stop: asyncio.Event) -> None:
+        """Every gateway's latest window, then each new one, until `stop` is set."""
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+        queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
+
+        async def enqueue(msg: Msg) -> None:
+            with contextlib.suppress(asyncio.QueueFull):  # a stalled reader drops the oldest news, not the process
+                queue.put_nowait(msg)
+
+        sub = await self.js.subscribe(self.subjects.all_windows, ordered_consumer=True, config=config, cb=enqueue)
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    msg = await asyncio.wait_for(queue.get(), 0.5)
+                    window = await self._decode(msg.data, GatewayWindow, msg.subject)
+                    if window is not None:
+                        result = on_window(window)
+                        if isinstance(result, Awaitable):
+                            await result
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def read_windows(self, since: datetime, until: datetime | None = None, alias: str | None = None) -> list[GatewayWindow]:
+        """Stored windows that ended in [since, until], oldest first (what the 24 h stream still holds)."""
+        # nats-py cannot parse the server's echo of a start time in whole seconds (it wants a fraction):
+        # starting a microsecond earlier reads nothing more, as windows are filtered on their end below.
+        start = since - timedelta(microseconds=1) if since.microsecond == 0 else since
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME,
+                                opt_start_time=start.astimezone(timezone.utc).isoformat().replace("+00:00", "Z"))
+        sub = await self.js.pull_subscribe(self.subjects.all_windows, durable=None, config=config)
+        found: list[GatewayWindow] = []
+        try:
+            while True:
+                try:
+                    messages = await sub.fetch(500, timeout=1.0)
+                except (NatsTimeout, asyncio.TimeoutError):
+                    break
+                for msg in messages:
+                    window = await self._decode(msg.data, GatewayWindow, msg.subject)
+                    if window and (alias is None or window.alias == alias) and since <= window.window_end \
+                            and (until is None or window.window_end <= until):
+                        found.append(window)
+                if messages and messages[-1].metadata.num_pending == 0:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return found
+
+    # ------------------------------------------------------------------ demand
+
+    async def publish_demand(self, demand: DemandSignal) -> None:
+        await self.nc.publish(self.subjects.demand, self._encode(demand))
+
+    async def subscribe_demand(self, on_demand: Callable[[DemandSignal], None]):
+        async def receive(msg: Msg) -> None:
+            demand = await self._decode(msg.data, DemandSignal, msg.subject)
+            if demand is not None:
+                on_demand(demand)
+
+        return await self.nc.subscribe(self.subjects.demand, cb=receive)
+
+    # ------------------------------------------------------------------ key-value helpers
+
+    async def _latest(self, kv: KeyValue, kind: type[T]) -> list[T]:
+        watcher = await kv.watchall()
+        found: list[T] = []
+        try:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=2.0)
+                except NatsTimeout:
+                    break
+                if entry is None:  # the watcher's "nothing more stored" marker
+                    break
+                if entry.value and entry.operation is None:
+                    message = await self._decode(entry.value, kind, f"{kv._name}.{entry.key}")
+                    if message is not None:
+                        found.append(message)
+        finally:
+            await watcher.stop()
+        return found
+
+    async def _watch(self, kv: KeyValue, kind: type[T], on_message: Callable[[T], None], stop: asyncio.Event) -> None:
+        watcher = await kv.watchall()
+        try:
+            while not stop.is_set():
+                try:
+                    entry = await watcher.updates(timeout=0.5)
+                except NatsTimeout:
+                    continue
+                if entry is None or not entry.value or entry.operation is not None:
+                    continue
+                message = await self._decode(entry.value, kind, f"{kv._name}.{entry.key}")
+                if message is not None:
+                    on_message(message)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
