@@ -38,6 +38,8 @@ bench: install
 	$(BIN)/python bench/eventlog.py
 	$(BIN)/python bench/sim.py
 	$(BIN)/python bench/llamacpp_engine.py
+	$(BIN)/python bench/controller.py
+	$(BIN)/python bench/pool.py
 
 clean:
 	rm -rf $(VENV)

@@ -37,6 +37,10 @@ class TierCensus:
 
 def census(s: AliasSnapshot, backend: BackendType) -> TierCensus:
     pending = s.pending_by_instance
+    if not pending:  # most ticks of most aliases: nothing in flight
+        instances = s.of(backend)
+        awake = tuple(i for i in instances if i.state in AWAKE_STATES)
+        return TierCensus(awake, (), tuple(i for i in instances if i.state in ASLEEP_STATES), 0, frozenset(), len(awake))
     awake, waking, asleep, busy = [], [], [], []
     for i in s.of(backend):
         command = pending.get(i.instance_id)

@@ -135,7 +135,11 @@ def _seconds(delta: timedelta) -> float:
 
 
 def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}".rstrip("0").rstrip(".")
+    if value is None:
+        return "-"
+    if isinstance(value, int) or value.is_integer():  # most loads are whole numbers: skip the formatting
+        return str(int(value))
+    return f"{value:.2f}".rstrip("0").rstrip(".")
 
 
 @dataclass(slots=True)

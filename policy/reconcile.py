@@ -68,12 +68,15 @@ def ladder_step(i: InstanceView, ladder: Ladder, now: datetime) -> Step | None:
 
 def next_ladder_time(i: InstanceView, ladder: Ladder) -> NextStep | None:
     level = i.sleep_level if i.state in (S.SLEEP_1, S.SLEEP_2) else 0
-    for what, after in ((f"SLEEP_1 of {i.instance_id}", ladder.sleep_1_after_s if level < 1 else None),
-                        (f"SLEEP_2 of {i.instance_id}", ladder.sleep_2_after_s if level < 2 else None),
-                        (f"drain and delete {i.instance_id}", ladder.delete_after_s)):
-        if after is not None:
-            return NextStep(f"{what} if still idle", i.idle_since() + timedelta(seconds=after))
-    return None
+    if level < 1 and ladder.sleep_1_after_s is not None:
+        what, after = "SLEEP_1 of", ladder.sleep_1_after_s
+    elif level < 2 and ladder.sleep_2_after_s is not None:
+        what, after = "SLEEP_2 of", ladder.sleep_2_after_s
+    elif ladder.delete_after_s is not None:
+        what, after = "drain and delete", ladder.delete_after_s
+    else:
+        return None
+    return NextStep(f"{what} {i.instance_id} if still idle", i.idle_since() + timedelta(seconds=after))
 
 
 class Reconciler:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import uuid
 from collections.abc import Iterable, Mapping
 from datetime import datetime
@@ -30,6 +31,7 @@ _ENGINE = {e.value: e for e in EngineKind}
 _STATE = {s.value: s for s in InstanceState}
 _ACTION = {a.value: a for a in Action}
 _ROUTING = {r.value: r for r in RoutingState}
+_BY_ID = operator.itemgetter("instance_id")
 
 
 def _when(value: Any) -> datetime:
@@ -99,9 +101,11 @@ class InstanceViews:
             instance_id, worker_id = row["instance_id"], row["worker_id"]
             reported = statuses.get(instance_id)
             up, fresh = worker_id in workers_up, worker_id in fresh_workers
-            note = notes.get(instance_id)
+            note = notes.get(instance_id) if notes else None
             noted = repr(note) if note else None  # notes change in place: compare what they say
             cached = cache.get(instance_id)
+            # Identity for the status (its facts keep an unchanged one as the same object): a
+            # changed one is not compared field by field.
             if (cached is not None and cached[1] is reported and cached[0] == row["updated_at"] and cached[2] is up
                     and cached[3] is fresh and cached[4] == noted):
                 views.append(cached[5])
@@ -147,7 +151,7 @@ def build_snapshot(
     routing_row = routing_row or {}
     control_row = control_row or {}
     notes = control_row.get("notes") or {}
-    rows = sorted(instance_rows, key=lambda r: r["instance_id"])
+    rows = sorted(instance_rows, key=_BY_ID)
     if views is not None:
         instances = views.of(rows, statuses, workers_up, fresh_workers, notes)
     else:

@@ -1,0 +1,453 @@
+"""The hybrid pool against a pure vLLM pool and a pure llama.cpp pool, on the same traces.
+
+Each pool runs as the real services (relay, projector, placement, autoscaler,
+gateway, one worker) on the local Postgres and NATS, in a scratch namespace
+dropped afterwards. Its engines are SIMULATED (`modelpool engine sim`), both
+tiers: vLLM needs a GPU, and simulating llama.cpp too gives both tiers their
+throughput from the same decode model. Start times:
+
+- simulated vLLM: `--vllm-start-s` (default 48 s, the cold start vLLM's
+  sleep-mode blog measures; waking takes 0.3 s from level 1, 2.6 s from level 2);
+- simulated llama.cpp: the start of the REAL llama.cpp engine on this machine
+  (`modelpool engine llama.cpp`, process start to a healthy `/health`), measured
+  first, less the simulated engine's own process start.
+
+Every pool meets the same two phases, starting COLD:
+
+1. cold wave: `--wave` streamed requests arriving at seeded random times over
+   `--wave-s` seconds; TTFT (to the first content token) per request;
+2. sustained: `--concurrency` clients, each sending one non-streamed request
+   after another for `--sustained-s` seconds; throughput (completion tokens/s)
+   and E2E over the last `--measure-s` seconds, once the pools have settled.
+
+Every request ends answered, with a documented error (an HTTP error with an
+OpenAI body, or an error event in a stream), or lost (the connection broke or
+it never ended): lost must be 0. The policy runs with seed 000's defaults.
+Progress goes to stderr; the last line on stdout is the JSON summary.
+
+    .venv/bin/python bench/pool.py --plot docs/img/pool.png --timeline docs/img/pool_hybrid_timeline.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.ops.localpool import LocalPool  # noqa: E402
+from services.ops.timeline import plot_history  # noqa: E402
+from shared.bus.jetstream import connect, ensure_streams  # noqa: E402
+from shared.bus.subjects import Subjects  # noqa: E402
+from shared.contracts.events import event_registry  # noqa: E402
+from shared.eventlog.db import create_engine, migrate_async  # noqa: E402
+from shared.eventlog.store import make_store  # noqa: E402
+from shared.net import free_port  # noqa: E402
+from shared.settings import Settings  # noqa: E402
+
+ALIAS = "bench"
+POOLS = ("hybrid", "vllm", "llamacpp")
+WORKER = {"MODELPOOL_WORKER_GPU_MEMORY_GB": "24", "MODELPOOL_WORKER_SLOTS": "6"}
+PROMPTS = (
+    "Explain in three sentences why the sky is blue.",
+    "Write a short poem about a lighthouse.",
+    "List five uses of a paperclip.",
+    "Describe how a bicycle works.",
+)
+
+
+def pool_yaml(kind: str, fast_start_s: float, vllm_start_s: float, fast_max: int) -> str:
+    fast = (f"      llama.cpp: {{model_name: {ALIAS}, model_path: default, gpu_memory_gb: 0, min_replicas: 0, "
+            f"max_replicas: {fast_max}, engine: simulator, engine_args: {{startup-s: {fast_start_s:.2f}}}}}\n")
+    slow = (f"      vllm: {{model_name: {ALIAS}, model_path: /models/{ALIAS}, gpu_memory_gb: 12, min_replicas: 0, "
+            f"max_replicas: 1, max_model_len: 4096, engine: simulator, engine_args: {{startup-s: {vllm_start_s:.1f}}}}}\n")
+    backends = {"hybrid": fast + slow, "vllm": slow, "llamacpp": fast}[kind]
+    return f"policy: {{}}\naliases:\n  - alias: {ALIAS}\n    backends:\n{backends}"
+
+
+# --------------------------------------------------------------------------- engine start times
+
+
+def time_to_healthy(argv: list[str], port: int, timeout_s: float = 120.0) -> float:
+    """Seconds from spawning an engine process to its first 200 on /health."""
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        while time.monotonic() - started < timeout_s:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(argv)} exited with {proc.returncode} before it was healthy")
+            time.sleep(0.02)
+        raise RuntimeError(f"{' '.join(argv)} not healthy within {timeout_s} s")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def measured_starts(repeats: int) -> dict[str, float]:
+    """The real llama.cpp engine's start and the simulated engine's own (startup-s 0), medians."""
+    engine = [sys.executable, "-m", "services.cli", "engine"]
+    real, sim = [], []
+    for _ in range(repeats):
+        port = free_port()
+        real.append(time_to_healthy(engine + ["llama.cpp", "--port", str(port), "--log-level", "warning"], port))
+        port = free_port()
+        sim.append(time_to_healthy(engine + ["sim", "--profile", "llama.cpp", "--port", str(port), "--model", ALIAS,
+                                             "--startup-s", "0"], port))
+    return {"llamacpp_real_start_s": statistics.median(real), "sim_process_start_s": statistics.median(sim),
+            "llamacpp_real_start_all_s": [round(s, 2) for s in real]}
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class Record:
+    """One request as the client saw it; times in seconds from the pool's start."""
+
+    phase: str
+    sent: float
+    first: float | None = None
+    done: float | None = None
+    tokens: int = 0
+    backend: str | None = None
+    outcome: str = "lost"  # until it ends: "ok", or the documented error it got
+
+
+@dataclass
+class Load:
+    t0: float
+    records: list[Record] = field(default_factory=list)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def request(self, client: httpx.AsyncClient, phase: str, n: int, *, stream: bool, max_tokens: int) -> None:
+        body = {"model": ALIAS, "stream": stream, "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": PROMPTS[n % len(PROMPTS)]}]}
+        record = Record(phase, self.now())
+        self.records.append(record)
+        try:
+            async with client.stream("POST", "/chat/completions", json=body) as response:
+                record.backend = response.headers.get("x-modelpool-backend")
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    record.outcome = f"http {response.status_code}" if '"error"' in text else "lost"
+                    record.done = self.now()
+                    return
+                if not stream:
+                    answer = json.loads(await response.aread())
+                    record.tokens = answer["usage"]["completion_tokens"]
+                else:
+                    async for line in response.aiter_lines():
+                        if line.startswith(": modelpool instance="):  # a held stream names its backend here
+                            record.backend = dict(p.split("=", 1) for p in line.split() if "=" in p)["backend"]
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            record.outcome, record.done = "stream error", self.now()
+                            return
+                        if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                            record.first = record.first or self.now()
+                            record.tokens += 1
+                record.done = self.now()
+                record.outcome = "ok"
+        except (httpx.HTTPError, json.JSONDecodeError, KeyError):
+            record.done = self.now()  # broken: stays "lost"
+
+    async def cold_wave(self, url: str, size: int, spread_s: float, max_tokens: int, seed: int) -> None:
+        rng = random.Random(seed)
+        arrivals = sorted(rng.uniform(0, spread_s) for _ in range(size))
+        start = time.monotonic()
+        async with client_for(url, size) as client:
+            async def at(k: int, offset: float) -> None:
+                await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+                await self.request(client, "wave", k, stream=True, max_tokens=max_tokens)
+
+            await asyncio.gather(*(at(k, offset) for k, offset in enumerate(arrivals)))
+
+    async def sustained(self, url: str, concurrency: int, seconds: float, max_tokens: int) -> None:
+        deadline = time.monotonic() + seconds
+        async with client_for(url, concurrency) as client:
+            async def loop(k: int) -> None:
+                n = k
+                while time.monotonic() < deadline:
+                    await self.request(client, "sustained", n, stream=False, max_tokens=max_tokens)
+                    n += concurrency
+
+            await asyncio.gather(*(loop(k) for k in range(concurrency)))
+
+
+def client_for(url: str, connections: int) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(connect=10.0, read=300.0, write=10.0, pool=None)
+    return httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=connections + 4))
+
+
+async def progress(label: str, load: Load, store, every_s: float, stop: asyncio.Event) -> None:
+    seen = 0
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except asyncio.TimeoutError:
+            pass
+        done = [r for r in load.records if r.done is not None]
+        window = [r for r in done[seen:] if r.outcome == "ok"]
+        seen = len(done)
+        routing = await store.history(ALIAS)
+        state = next((e.payload["to_state"] for e in reversed(routing) if e.type == "RoutingStateChanged"), "COLD")
+        backends = Counter(r.backend for r in window)
+        print(f"  [{label} {load.now():5.0f}s] {state:<13} answered {sum(backends.values()):4d} in the last "
+              f"{every_s:.0f}s ({dict(backends)}), errors so far "
+              f"{sum(1 for r in done if r.outcome not in ('ok', 'lost'))}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- one pool
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def rounded(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+async def run_pool(kind: str, base: Settings, args: argparse.Namespace, fast_start_s: float, workdir: Path,
+                   timeline: Path | None) -> dict:
+    settings = Settings.load({}, database_url=base.database_url, nats_url=base.nats_url,
+                             namespace=f"bench_pool_{secrets.token_hex(4)}")
+    await migrate_async(settings)
+    engine = create_engine(settings, pool_size=4)
+    store = make_store(engine, event_registry(), settings.namespace)
+    nc = await connect(settings.nats_url, name="bench-pool")
+    subjects = Subjects(settings.namespace)
+    await ensure_streams(nc.jetstream(), subjects)
+    pool = LocalPool(settings.database_url, settings.nats_url, settings.namespace,
+                     pool_yaml(kind, fast_start_s, args.vllm_start_s, args.fast_max), workdir / kind,
+                     workers={"w1": WORKER})
+    began = datetime.now(timezone.utc)
+    try:
+        pool.start()
+        load = Load(time.monotonic())
+        load_began = datetime.now(timezone.utc)
+        stop = asyncio.Event()
+        reporter = asyncio.create_task(progress(kind, load, store, args.every_s, stop))
+        try:
+            await load.cold_wave(pool.gateway, args.wave, args.wave_s, args.wave_tokens, args.seed)
+            wave_end = load.now()
+            await load.sustained(pool.gateway, args.concurrency, args.sustained_s, args.max_tokens)
+            sustained_end = wave_end + args.sustained_s
+        finally:
+            stop.set()
+            await reporter
+        events = await store.history(ALIAS)
+        if timeline is not None:
+            await asyncio.to_thread(plot_history, settings, ALIAS, began, datetime.now(timezone.utc), timeline)
+    finally:
+        pool.stop()
+        for stream in subjects.all_streams:
+            try:
+                await nc.jetstream().delete_stream(stream)
+            except Exception:  # never created
+                pass
+        await nc.close()
+        from sqlalchemy import text
+
+        async with engine.begin() as conn:
+            await conn.execute(text(f'DROP SCHEMA IF EXISTS "{settings.namespace}" CASCADE'))
+        await engine.dispose()
+    return summarise(kind, load.records, events, load_began, wave_end, sustained_end, args)
+
+
+def summarise(kind: str, records: list[Record], events, load_began: datetime, wave_end: float, sustained_end: float,
+              args: argparse.Namespace) -> dict:
+    wave = [r for r in records if r.phase == "wave"]
+    sustained = [r for r in records if r.phase == "sustained"]
+    # The last measure_s seconds while every client was sending: requests that completed in them.
+    measured_from = sustained_end - args.measure_s
+    window = [r for r in sustained if r.outcome == "ok" and measured_from <= r.done <= sustained_end]
+    tokens = sum(r.tokens for r in window)
+    ttft = [r.first - r.sent for r in wave if r.first is not None]
+    switches = [(e.occurred_at, e.payload["from_state"], e.payload["to_state"]) for e in events
+                if e.type == "RoutingStateChanged"]
+    return {
+        "pool": kind,
+        "wave_requests": len(wave),
+        "wave_ttft_s": [rounded(r.first - r.sent) if r.first else None for r in wave],
+        "wave_ttft_p50_s": rounded(quantile(ttft, 0.5)),
+        "wave_ttft_p95_s": rounded(quantile(ttft, 0.95)),
+        "wave_end_s": round(wave_end, 2),
+        "sustained_requests": len(sustained),
+        "sustained_measured_requests": len(window),
+        "sustained_tokens_per_s": round(tokens / args.measure_s, 1),
+        "sustained_e2e_p50_s": rounded(quantile([r.done - r.sent for r in window], 0.5)),
+        "sustained_e2e_p95_s": rounded(quantile([r.done - r.sent for r in window], 0.95)),
+        "sustained_served_by": dict(Counter(r.backend for r in window)),
+        "requests": len(records),
+        "answered": sum(r.outcome == "ok" for r in records),
+        "errors": dict(Counter(r.outcome for r in records if r.outcome not in ("ok", "lost"))),
+        "lost": sum(r.outcome == "lost" for r in records),
+        "switches": [f"{a}->{b}" for _, a, b in switches],
+        "switch_at_s": [round((at - load_began).total_seconds(), 1) for at, _, _ in switches],
+        # For the plot: when each request finished, its tokens and backend.
+        "completions": [(round(r.done, 2), r.tokens, r.backend) for r in records if r.outcome == "ok"],
+    }
+
+
+# --------------------------------------------------------------------------- the figure
+
+
+COLORS = {"hybrid": "tab:purple", "vllm": "tab:orange", "llamacpp": "tab:blue"}
+LABELS = {"hybrid": "hybrid (llama.cpp + vLLM)", "vllm": "pure vLLM", "llamacpp": "pure llama.cpp"}
+
+
+def plot(runs: list[dict], path: Path, bin_s: float = 5.0) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    cold, load = fig.subplots(1, 2, width_ratios=(1, 2))
+    for run in runs:
+        kind = run["pool"]
+        ttft = sorted(t for t in run["wave_ttft_s"] if t is not None)
+        cold.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", color=COLORS[kind],
+                  alpha=0.8, label=LABELS[kind] if run is next(r for r in runs if r["pool"] == kind) else None)
+        bins: Counter[int] = Counter()
+        for done, tokens, _ in run["completions"]:
+            bins[int(done // bin_s)] += tokens
+        xs = sorted(bins)
+        load.plot([(x + 0.5) * bin_s for x in xs], [bins[x] / bin_s for x in xs], color=COLORS[kind], alpha=0.8,
+                  label=LABELS[kind] if run is next(r for r in runs if r["pool"] == kind) else None)
+    cold.set(xlabel="TTFT of the cold wave (s, log)", ylabel="share of requests", xscale="log",
+             title="cold first wave after idle")
+    load.set(xlabel="seconds from the first request (cold wave, then sustained load)",
+             ylabel=f"completion tokens/s ({bin_s:.0f} s bins, log)", yscale="log",
+             title="throughput; dotted: the hybrid pool's routing switches")
+    for run in (r for r in runs if r["pool"] == "hybrid"):
+        for at, switch in zip(run["switch_at_s"], run["switches"]):
+            load.axvline(at, color=COLORS["hybrid"], linestyle=":", linewidth=0.8)
+    for ax in (cold, load):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    fig.suptitle("modelpool: hybrid pool vs pure pools (SIMULATED engines; llama.cpp start as measured on the real engine)",
+                 fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.3g}–{max(values):.3g}" if len(values) > 1 else f"{values[0]:.3g}"
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pools", default=",".join(POOLS), help=f"which pools, in order (default {','.join(POOLS)})")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every pool (default 1)")
+    parser.add_argument("--vllm-start-s", type=float, default=48.0)
+    parser.add_argument("--fast-max", type=int, default=3, help="llama.cpp max_replicas (default 3)")
+    parser.add_argument("--wave", type=int, default=12, help="requests in the cold wave (default 12)")
+    parser.add_argument("--wave-s", type=float, default=5.0, help="the cold wave arrives over this long (default 5)")
+    parser.add_argument("--wave-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--sustained-s", type=float, default=180.0)
+    parser.add_argument("--measure-s", type=float, default=60.0, help="the sustained phase's last seconds measured")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--every-s", type=float, default=10.0, help="seconds between progress lines")
+    parser.add_argument("--plot", type=Path, help="write the comparison figure here (PNG)")
+    parser.add_argument("--timeline", type=Path, help="write the (last) hybrid run's `history --plot` figure here")
+    args = parser.parse_args()
+    kinds = [k for k in args.pools.split(",") if k]
+    if not kinds or set(kinds) - set(POOLS):
+        parser.error(f"--pools takes a comma-separated subset of {','.join(POOLS)}")
+    if args.measure_s > args.sustained_s:
+        parser.error("--measure-s must not exceed --sustained-s")
+
+    base = Settings.load()
+    if not os.environ.get("DATABASE_URL"):
+        base = Settings.load(database_url="postgresql://127.0.0.1:5432/test")
+    print("measuring the real llama.cpp engine's start ...", file=sys.stderr, flush=True)
+    starts = measured_starts(3)
+    fast_start_s = max(0.0, starts["llamacpp_real_start_s"] - starts["sim_process_start_s"])
+    print(f"  real llama.cpp {starts['llamacpp_real_start_s']:.2f} s, simulated process {starts['sim_process_start_s']:.2f} s:"
+          f" simulated llama.cpp starts with startup-s {fast_start_s:.2f}", file=sys.stderr, flush=True)
+
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="modelpool-bench-pool-") as tmp:
+        for repeat in range(args.repeats):
+            for kind in kinds:
+                print(f"{kind} pool, run {repeat + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
+                last_hybrid = kind == "hybrid" and repeat == args.repeats - 1
+                run = await run_pool(kind, base, args, fast_start_s, Path(tmp) / f"run{repeat}",
+                                     args.timeline if last_hybrid else None)
+                run["repeat"] = repeat
+                runs.append(run)
+                print(f"  TTFT p50/p95 {run['wave_ttft_p50_s']}/{run['wave_ttft_p95_s']} s; sustained "
+                      f"{run['sustained_tokens_per_s']} tok/s, E2E p95 {run['sustained_e2e_p95_s']} s; "
+                      f"errors {run['errors']}, lost {run['lost']}; switches {run['switches']}", file=sys.stderr, flush=True)
+    if args.plot:
+        plot(runs, args.plot)
+
+    def of(kind: str, key: str) -> list[float]:
+        return [r[key] for r in runs if r["pool"] == kind and r[key] is not None]
+
+    results: dict = {"engines": "simulated (both tiers)", **{k: rounded(v, 2) if isinstance(v, float) else v
+                                                              for k, v in starts.items()},
+                     "fast_startup_s": round(fast_start_s, 2), "vllm_startup_s": args.vllm_start_s,
+                     "repeats": args.repeats}
+    for run in runs:
+        run.pop("completions")
+    if "hybrid" in kinds and "vllm" in kinds:
+        ratios = [v["wave_ttft_p95_s"] / h["wave_ttft_p95_s"]
+                  for h, v in zip((r for r in runs if r["pool"] == "hybrid"), (r for r in runs if r["pool"] == "vllm"))]
+        results["cold_ttft_p95_ratio_vs_vllm"] = round(statistics.median(ratios), 2)
+        results["cold_ttft_p95_ratio_vs_vllm_spread"] = spread(ratios)
+    if "hybrid" in kinds and "llamacpp" in kinds:
+        ratios = [h["sustained_tokens_per_s"] / f["sustained_tokens_per_s"]
+                  for h, f in zip((r for r in runs if r["pool"] == "hybrid"), (r for r in runs if r["pool"] == "llamacpp"))]
+        results["sustained_throughput_ratio_vs_llamacpp"] = round(statistics.median(ratios), 2)
+        results["sustained_throughput_ratio_vs_llamacpp_spread"] = spread(ratios)
+        results["sustained_e2e_p95_hybrid_s"] = round(statistics.median(of("hybrid", "sustained_e2e_p95_s")), 2)
+        results["sustained_e2e_p95_llamacpp_s"] = round(statistics.median(of("llamacpp", "sustained_e2e_p95_s")), 2)
+    for kind in kinds:
+        results[f"{kind}_errors"] = sum(sum(r["errors"].values()) for r in runs if r["pool"] == kind)
+    results["lost_requests"] = sum(r["lost"] for r in runs)
+    results["switches"] = max((len(r["switches"]) for r in runs if r["pool"] == "hybrid"), default=0)
+    results["runs"] = runs
+    print(json.dumps(results))
+    return 0 if results["lost_requests"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
