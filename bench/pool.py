@@ -47,6 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -278,8 +279,6 @@ async def run_pool(kind: str, base: Settings, args: argparse.Namespace, fast_sta
             except Exception:  # never created
                 pass
         await nc.close()
-        from sqlalchemy import text
-
         async with engine.begin() as conn:
             await conn.execute(text(f'DROP SCHEMA IF EXISTS "{settings.namespace}" CASCADE'))
         await engine.dispose()
@@ -352,7 +351,7 @@ def plot(runs: list[dict], path: Path, bin_s: float = 5.0) -> None:
              ylabel=f"completion tokens/s ({bin_s:.0f} s bins, log)", yscale="log",
              title="throughput; dotted: the hybrid pool's routing switches")
     for run in (r for r in runs if r["pool"] == "hybrid"):
-        for at, switch in zip(run["switch_at_s"], run["switches"]):
+        for at in run["switch_at_s"]:
             load.axvline(at, color=COLORS["hybrid"], linestyle=":", linewidth=0.8)
     for ax in (cold, load):
         ax.grid(alpha=0.3)

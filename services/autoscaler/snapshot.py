@@ -98,20 +98,20 @@ class InstanceViews:
         views = []
         cache = self._views
         for row in rows:
-            instance_id, worker_id = row["instance_id"], row["worker_id"]
+            instance_id, worker_id, updated = row["instance_id"], row["worker_id"], row["updated_at"]
             reported = statuses.get(instance_id)
             up, fresh = worker_id in workers_up, worker_id in fresh_workers
             note = notes.get(instance_id) if notes else None
             noted = repr(note) if note else None  # notes change in place: compare what they say
             cached = cache.get(instance_id)
-            # Identity for the status (its facts keep an unchanged one as the same object): a
-            # changed one is not compared field by field.
-            if (cached is not None and cached[1] is reported and cached[0] == row["updated_at"] and cached[2] is up
-                    and cached[3] is fresh and cached[4] == noted):
+            # Identities first: the facts keep an unchanged status as the same object (a changed
+            # one is not compared field by field), and an unchanged row keeps its timestamp.
+            if (cached is not None and cached[1] is reported and cached[2] is up and cached[3] is fresh
+                    and (cached[0] is updated or cached[0] == updated) and cached[4] == noted):
                 views.append(cached[5])
                 continue
             view = instance_view(row, reported, up, fresh, note)
-            cache[instance_id] = (row["updated_at"], reported, up, fresh, noted, view)
+            cache[instance_id] = (updated, reported, up, fresh, noted, view)
             views.append(view)
         return tuple(views)
 
