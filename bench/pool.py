@@ -51,6 +51,7 @@ from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.ops.load import quantile, read_stream  # noqa: E402
 from services.ops.localpool import LocalPool  # noqa: E402
 from services.ops.timeline import plot_history  # noqa: E402
 from shared.bus.jetstream import connect, ensure_streams  # noqa: E402
@@ -163,18 +164,11 @@ class Load:
                     answer = json.loads(await response.aread())
                     record.tokens = answer["usage"]["completion_tokens"]
                 else:
-                    async for line in response.aiter_lines():
-                        if line.startswith(": modelpool instance="):  # a held stream names its backend here
-                            record.backend = dict(p.split("=", 1) for p in line.split() if "=" in p)["backend"]
-                        if not line.startswith("data: {"):
-                            continue
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            record.outcome, record.done = "stream error", self.now()
-                            return
-                        if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-                            record.first = record.first or self.now()
-                            record.tokens += 1
+                    streamed = await read_stream(response, self.now)
+                    record.backend, record.first, record.tokens = streamed.backend, streamed.first_at, streamed.tokens
+                    if streamed.error:
+                        record.outcome, record.done = "stream error", self.now()
+                        return
                 record.done = self.now()
                 record.outcome = "ok"
         except (httpx.HTTPError, json.JSONDecodeError, KeyError):
@@ -227,13 +221,6 @@ async def progress(label: str, load: Load, store, every_s: float, stop: asyncio.
 
 
 # --------------------------------------------------------------------------- one pool
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def rounded(value: float | None, digits: int = 3) -> float | None:

@@ -12,13 +12,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
 
+from shared.openai_protocol import ENGINE_HEADER
 from shared.settings import Settings, local_cluster
 
 PROMPTS = (
@@ -28,6 +31,50 @@ PROMPTS = (
     "What is the capital of France, and what is it known for?",
     "Describe how a bicycle works.",
 )
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class StreamAnswer:
+    """A streamed answer as it arrived: when its first content token came, how many, who served it."""
+
+    backend: str | None
+    engine: str | None
+    first_at: float | None = None
+    tokens: int = 0
+    error: str | None = None
+    """The code of the error event that ended the stream, if one did."""
+
+
+async def read_stream(response: httpx.Response, clock: Callable[[], float] = time.monotonic) -> StreamAnswer:
+    """Read a 200 SSE answer from the gateway to its end.
+
+    Who served it is in the `x-modelpool-*` headers, or, for a stream held through
+    a cold start (its headers went out before an instance was chosen), in the
+    `: modelpool instance=... backend=... engine=...` comment that precedes its data.
+    """
+    answer = StreamAnswer(response.headers.get("x-modelpool-backend"), response.headers.get(ENGINE_HEADER))
+    async for line in response.aiter_lines():
+        if line.startswith(": modelpool instance="):
+            served = dict(part.split("=", 1) for part in line.split() if "=" in part)
+            answer.backend, answer.engine = served.get("backend"), served.get("engine")
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            answer.error = chunk["error"].get("code") or "stream error"
+            return answer
+        if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+            if answer.first_at is None:
+                answer.first_at = clock()
+            answer.tokens += 1
+    return answer
 
 
 @dataclass
@@ -40,19 +87,13 @@ class Tally:
     e2e: list[float] = field(default_factory=list)
     tokens: int = 0
 
-    def percentile(self, values: list[float], q: float) -> float | None:
-        if not values:
-            return None
-        ordered = sorted(values)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
     def summary(self, seconds: float) -> dict:
         return {
             "sent": self.sent, "answered": self.answered, "errors": dict(self.errors),
             "lost": self.sent - self.answered - sum(self.errors.values()),
             "served_by": dict(self.served_by),
-            "ttft_p50_s": self.percentile(self.ttft, 0.5), "ttft_p95_s": self.percentile(self.ttft, 0.95),
-            "e2e_p50_s": self.percentile(self.e2e, 0.5), "e2e_p95_s": self.percentile(self.e2e, 0.95),
+            "ttft_p50_s": quantile(self.ttft, 0.5), "ttft_p95_s": quantile(self.ttft, 0.95),
+            "e2e_p50_s": quantile(self.e2e, 0.5), "e2e_p95_s": quantile(self.e2e, 0.95),
             "tokens_per_s": round(self.tokens / seconds, 1) if seconds else 0.0,
         }
 
@@ -62,32 +103,25 @@ async def one_request(client: httpx.AsyncClient, alias: str, max_tokens: int, n:
             "messages": [{"role": "user", "content": PROMPTS[n % len(PROMPTS)]}]}
     tally.sent += 1
     start = time.monotonic()
-    first = None
     try:
         async with client.stream("POST", "/chat/completions", json=body) as response:
             if response.status_code != 200:
                 await response.aread()
                 tally.errors[f"http {response.status_code}"] += 1
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    tally.errors[chunk["error"].get("code") or "stream error"] += 1
-                    return
-                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-                    first = first or time.monotonic()
-                    tally.tokens += 1
-            tally.served_by[f"{response.headers.get('x-modelpool-backend', '?')} "
-                            f"({response.headers.get('x-modelpool-engine', '?')})"] += 1
+            answer = await read_stream(response)
     except httpx.HTTPError as exc:
         tally.errors[type(exc).__name__] += 1
         return
+    tally.tokens += answer.tokens
+    if answer.error:
+        tally.errors[answer.error] += 1
+        return
+    tally.served_by[f"{answer.backend or '?'} ({answer.engine or '?'})"] += 1
     tally.answered += 1
     tally.e2e.append(time.monotonic() - start)
-    if first is not None:
-        tally.ttft.append(first - start)
+    if answer.first_at is not None:
+        tally.ttft.append(answer.first_at - start)
 
 
 async def run(url: str, alias: str, concurrency: int, seconds: float, max_tokens: int, every_s: float) -> dict:
@@ -130,10 +164,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.seconds <= 0:
         parser.error("--concurrency must be >= 1 and --seconds > 0")
-    import os
-
-    url = args.url or local_cluster(os.environ).get("gateway") or \
-        f"http://{Settings.load().gateway_host}:{Settings.load().gateway_port}/v1"
+    url = args.url or local_cluster(os.environ).get("gateway")
+    if not url:
+        settings = Settings.load()
+        url = f"http://{settings.gateway_host}:{settings.gateway_port}/v1"
     summary = asyncio.run(run(url, args.alias, args.concurrency, args.seconds, args.max_tokens, args.every))
     print(json.dumps(summary))
     return 0 if summary["lost"] == 0 else 1
