@@ -121,17 +121,17 @@ def feed(facts: LiveFacts, configs, levels, heartbeats, now: datetime, rng: rand
                                        e2e_slow_s=e2e.snapshot()))
 
 
-def tick(configs, rows, routing, control, facts: LiveFacts, states, settings, now, views: InstanceViews) -> list:
-    statuses = facts.statuses()
-    workers_up = set(facts.heartbeats)
-    fresh = facts.fresh_workers(now)
+def tick(configs, rows, routing, control, facts: LiveFacts, states, settings, now, views: InstanceViews,
+         changed: set[str]) -> list:
+    views.begin(facts.statuses(), set(facts.heartbeats), facts.fresh_workers(now), facts.take_changes(), changed)
     decisions = []
     for config in configs:
+        control_row = control[config.alias]
         snapshot = build_snapshot(
-            config=config, settings=settings, routing_row=routing[config.alias], control_row=control[config.alias],
-            instance_rows=rows[config.alias], statuses=statuses, workers_up=workers_up, fresh_workers=fresh,
+            config=config, settings=settings, routing_row=routing[config.alias], control_row=control_row,
+            instances=views.of(config.alias, rows[config.alias], control_row["notes"]),
             metrics=facts.metrics(config.alias, now), demand=facts.waiting(config.alias, now),
-            state=states.get(config.alias) or PolicyState(), now=now, views=views,
+            state=states.get(config.alias) or PolicyState(), views=views,
         )
         decision = decide(snapshot, now)
         states[config.alias] = decision.state
@@ -142,9 +142,10 @@ def tick(configs, rows, routing, control, facts: LiveFacts, states, settings, no
 EFFECT = {"wake": "RUNNING", "drain": "DRAINING"}
 
 
-def record(routing_row: dict, control_row: dict, alias_rows: list[dict], decision, now: datetime) -> None:
+def record(routing_row: dict, control_row: dict, alias_rows: list[dict], decision, now: datetime) -> bool:
     """What the log, the projections and the workers make of a decision before the next tick (not
-    timed: it is the append's, the projector's and the workers' work, not the pure part's)."""
+    timed: it is the append's, the projector's and the workers' work, not the pure part's). True
+    when the alias's rows changed, as the log's touched keys tell the autoscaler."""
     by_id = {r["instance_id"]: r for r in alias_rows}
     for a in decision.actions:
         row = by_id.get(a.instance_id)
@@ -162,20 +163,23 @@ def record(routing_row: dict, control_row: dict, alias_rows: list[dict], decisio
     routing_row["mix_weight"] = decision.mix_weight
     routing_row["targets"] = {b.value: n for b, n in decision.targets.items()}
     pending = control_row["pending"]
-    for command_id in [c for c, cmd in pending.items() if now - datetime.fromisoformat(cmd["issued_at"]) > timedelta(seconds=3)]:
+    done = [c for c, cmd in pending.items() if now - datetime.fromisoformat(cmd["issued_at"]) > timedelta(seconds=3)]
+    for command_id in done:
         del pending[command_id]  # commands complete a few seconds after they are sent
     for a in decision.actions:
         pending[str(a.command_id)] = {
             "action": a.action.value, "backend": a.backend.value, "instance_id": a.instance_id,
             "worker_id": a.worker_id, "level": a.level, "issued_at": now.isoformat(), "acked": True}
     control_row["version"] += 1 if decision.actions or decision.routing else 0
+    return bool(decision.actions or decision.routing or decision.mix or done)
 
 
 def top_up(rows: dict[str, list[dict]], heartbeats: dict[str, list[InstanceStatus]], per_alias: int, now: datetime,
-           serial: itertools.count) -> None:
+           serial: itertools.count, changed: set[str]) -> None:
     """Instances that left are replaced by new running ones (untimed), so every tick sees the whole pool."""
     for alias, alias_rows in rows.items():
         while len(alias_rows) < per_alias:
+            changed.add(alias)
             slow = sum(r["backend_type"] == "vllm" for r in alias_rows) < 3
             n = next(serial)
             row = {"instance_id": f"{alias}-r{n}", "alias": alias, "backend_type": "vllm" if slow else "llama.cpp",
@@ -202,6 +206,7 @@ def main() -> None:
     states: dict = {}
     times, counts, actions = [], [], 0
     serial = itertools.count()
+    changed: set[str] = {c.alias for c in configs}
     now = T0
     tune_collector()  # as the autoscaler does once its view is loaded
     for n in tqdm(range(args.ticks), desc="ticks", file=sys.stderr):
@@ -210,12 +215,14 @@ def main() -> None:
         counts.append(sum(len(r) for r in rows.values()))
         with collector_paused():  # as the autoscaler runs its ticks
             start = time.perf_counter()
-            decisions = tick(configs, rows, routing, control, facts, states, settings, now, views)
+            decisions = tick(configs, rows, routing, control, facts, states, settings, now, views, changed)
             times.append((time.perf_counter() - start) * 1000)
+        changed = set()
         for alias, decision in decisions:
             actions += len(decision.actions)
-            record(routing[alias], control[alias], rows[alias], decision, now)
-        top_up(rows, heartbeats, args.instances // args.aliases, now, serial)
+            if record(routing[alias], control[alias], rows[alias], decision, now):
+                changed.add(alias)
+        top_up(rows, heartbeats, args.instances // args.aliases, now, serial, changed)
     # The first tick is the one after taking the lead: every view built afresh and the random
     # pool's leftovers (failed, drained, surplus instances) all acted on at once. Reported apart.
     first, times = times[0], sorted(times[1:])

@@ -14,8 +14,9 @@ from shared.contracts.control import (
     AliasSnapshot,
     Decision,
     NextStep,
-    PolicyState,
     evolve,
+    new_decision,
+    new_policy_state,
 )
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (HybridPolicy(),)}
@@ -51,10 +52,10 @@ def decide(snapshot: AliasSnapshot, now: datetime) -> Decision:
         if backend in reconciler.released:
             tier = evolve(tier, last_scale_down_at=now)
         tiers[backend] = tier
-    state = PolicyState(policy=proposal.memory, tiers=tiers,
+    state = new_policy_state(policy=proposal.memory, tiers=tiers,
                         last_window_end=metrics.window_end if new_window and metrics else last_seen)
     outlook: list[NextStep] = [*proposal.outlook, *(step for p in plans.values() for step in p.outlook), *reconciler.outlook]
-    return Decision(
+    return new_decision(
         policy=policy.name,
         policy_version=policy.version,
         decision_id=did,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from datetime import datetime, timedelta
 from typing import ClassVar
 
@@ -94,7 +95,7 @@ def load_of(s: AliasSnapshot) -> Load:
     )
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Capacity:
     c_l: int
     c_vllm: int
@@ -114,20 +115,29 @@ def capacity_of(s: AliasSnapshot, memory: HybridState) -> Capacity:
     cfg = s.settings
     fast_reported = max((i.capacity or 0 for i in s.of(FAST)), default=0)
     slow_reported = max((i.capacity or 0 for i in s.of(SLOW)), default=0)
-    c_l = fast_reported or memory.fast_capacity or cfg.LLAMA_C_L
+    slow_cfg = s.config.backends.get(SLOW)
+    return _capacity(fast_reported, slow_reported, memory.fast_capacity, memory.vllm_capacity, cfg.LLAMA_C_L,
+                     cfg.HYBRID_REQUEST_TOKENS or (slow_cfg.max_model_len if slow_cfg else None) or DEFAULT_REQUEST_TOKENS,
+                     cfg.HYBRID_VLLM_KV_TOKENS, cfg.HYBRID_ALPHA, cfg.HYBRID_BETA, cfg.HYBRID_PREPARE_CONC)
+
+
+@lru_cache(maxsize=1024)  # the same few capacities at every tick of every alias
+def _capacity(fast_reported: int, slow_reported: int, fast_learned: int | None, slow_learned: int | None, default_c_l: int,
+              t_req: int, t_kv: int, alpha: float, beta: float, prepare_conc: int) -> Capacity:
+    c_l = fast_reported or fast_learned or default_c_l
     if slow_reported:
         c_vllm, source = slow_reported, "reported"
-    elif memory.vllm_capacity:
-        c_vllm, source = memory.vllm_capacity, "last reported"
+    elif slow_learned:
+        c_vllm, source = slow_learned, "last reported"
     else:
-        slow_cfg = s.config.backends.get(SLOW)
-        t_req = cfg.HYBRID_REQUEST_TOKENS or (slow_cfg.max_model_len if slow_cfg and slow_cfg.max_model_len else None) \
-            or DEFAULT_REQUEST_TOKENS
-        c_vllm, source = c_vllm_estimate(cfg.HYBRID_VLLM_KV_TOKENS, t_req), f"T_kv {cfg.HYBRID_VLLM_KV_TOKENS} / T_req {t_req}"
-    up = c_up(cfg.HYBRID_ALPHA, c_vllm)
-    return Capacity(c_l=c_l, c_vllm=c_vllm, c_up=up, c_down=c_down(cfg.HYBRID_BETA, c_vllm),
-                    c_prepare=c_prepare(cfg.HYBRID_PREPARE_CONC, up), c_vllm_source=source,
-                    fast_reported=fast_reported or None, slow_reported=slow_reported or None)
+        c_vllm, source = c_vllm_estimate(t_kv, t_req), f"T_kv {t_kv} / T_req {t_req}"
+    up = c_up(alpha, c_vllm)
+    return Capacity(c_l=c_l, c_vllm=c_vllm, c_up=up, c_down=c_down(beta, c_vllm), c_prepare=c_prepare(prepare_conc, up),
+                    c_vllm_source=source, fast_reported=fast_reported or None, slow_reported=slow_reported or None)
+
+
+_ladder = lru_cache(maxsize=64)(Ladder)
+"""The slow tier's ladder: the same few at every tick of every alias."""
 
 
 def _seconds(delta: timedelta) -> float:
@@ -150,7 +160,6 @@ class _Tick:
     now: datetime
     load: Load
     cap: Capacity
-    up_reasons: list[str]
     counted: bool
     """A new window (or no windows at all): counters and probes count this tick."""
     ready: list[InstanceView]
@@ -177,10 +186,10 @@ class HybridPolicy:
         load = load_of(s)
         memory = s.state.policy
         cap = capacity_of(s, memory)
-        up_reasons = self._up_reasons(load, cap, cfg)
+        up = True in self._up_signals(load, cap, cfg)
         counted = new_window or s.metrics is None  # probes and windows count once per window
         slow_serving = s.routing_state in (R.MIXED, R.VLLM_PRIMARY)
-        up_windows = (memory.up_windows + 1 if up_reasons else 0) if new_window else memory.up_windows
+        up_windows = (memory.up_windows + 1 if up else 0) if new_window else memory.up_windows
         timeout_windows = (memory.timeout_windows + 1 if slow_serving and load.slow_failures else 0) \
             if new_window else memory.timeout_windows
         idle_since = None if load.busy else (memory.idle_since or now)
@@ -190,7 +199,7 @@ class HybridPolicy:
                 memory.up_windows, memory.timeout_windows, memory.idle_since, memory.fast_capacity, memory.vllm_capacity):
             memory = evolve(memory, up_windows=up_windows, timeout_windows=timeout_windows, idle_since=idle_since,
                             fast_capacity=fast_capacity, vllm_capacity=vllm_capacity)
-        tick = _Tick(s, now, load, cap, up_reasons, counted, self._ready(s))
+        tick = _Tick(s, now, load, cap, counted, self._ready(s))
         step = self._handlers[s.routing_state](self, tick, memory)
         state = step.to or s.routing_state
         memory = step.memory
@@ -215,16 +224,24 @@ class HybridPolicy:
     # ------------------------------------------------------------------ signals
 
     @staticmethod
-    def _up_reasons(load: Load, cap: Capacity, cfg: PolicySettings) -> list[str]:
-        """§4.1 item 2 and the §5.2 early trigger: which of them this window shows."""
+    def _up_signals(load: Load, cap: Capacity, cfg: PolicySettings) -> tuple[bool, bool, bool, bool]:
+        """§4.1 item 2 and the §5.2 early trigger: which of them this window shows (worded by `_up_reasons`
+        only when a decision tells them)."""
+        return (load.inflight_fast >= cap.c_up, load.total >= cap.c_prepare,
+                load.queue_wait_p95 is not None and load.queue_wait_p95 > cfg.HYBRID_QUEUE_SLA_S,
+                load.e2e_p95_fast is not None and load.e2e_p95_fast > cfg.HYBRID_E2E_SLA_S)
+
+    @classmethod
+    def _up_reasons(cls, load: Load, cap: Capacity, cfg: PolicySettings) -> list[str]:
+        fast, total, queue, e2e = cls._up_signals(load, cap, cfg)
         reasons = []
-        if load.inflight_fast >= cap.c_up:
+        if fast:
             reasons.append(f"inflight_fast {_fmt(load.inflight_fast)} >= C_up {cap.c_up}")
-        if load.total >= cap.c_prepare:
+        if total:
             reasons.append(f"inflight_total {_fmt(load.total)} >= C_prepare {cap.c_prepare}")
-        if load.queue_wait_p95 is not None and load.queue_wait_p95 > cfg.HYBRID_QUEUE_SLA_S:
+        if queue:
             reasons.append(f"queue_wait_p95 {_fmt(load.queue_wait_p95)} s > {_fmt(cfg.HYBRID_QUEUE_SLA_S)} s")
-        if load.e2e_p95_fast is not None and load.e2e_p95_fast > cfg.HYBRID_E2E_SLA_S:
+        if e2e:
             reasons.append(f"e2e_p95_fast {_fmt(load.e2e_p95_fast)} s > {_fmt(cfg.HYBRID_E2E_SLA_S)} s")
         return reasons
 
@@ -262,15 +279,16 @@ class HybridPolicy:
         return _Step(memory, R.VLLM_PRIMARY, f"first demand ({why}): vLLM takes it (no fast tier)")
 
     def _fast_only(self, t: _Tick, memory: HybridState) -> _Step:
-        s, now, cap, up_reasons = t.s, t.now, t.cap, t.up_reasons
+        s, now, cap = t.s, t.now, t.cap
         cfg = s.settings
         if self._hybrid(s) and memory.up_windows >= cfg.HYBRID_UP_CONSECUTIVE:
             return _Step(evolve(memory, warming_since=now, ready_probes=0), R.WARMING_VLLM,
-                         f"{memory.up_windows} consecutive windows with {'; '.join(up_reasons)} ({cap.describe()})")
+                         f"{memory.up_windows} consecutive windows with {'; '.join(self._up_reasons(t.load, cap, cfg))} "
+                         f"({cap.describe()})")
         outlook: list[NextStep] = []
         if self._hybrid(s) and memory.up_windows:
             outlook.append(NextStep(f"WARMING_VLLM after {cfg.HYBRID_UP_CONSECUTIVE - memory.up_windows} more "
-                                    f"window(s) with {'; '.join(up_reasons) or 'load'}"))
+                                    f"window(s) with {'; '.join(self._up_reasons(t.load, cap, cfg)) or 'load'}"))
         if memory.idle_since is not None and all(b.min_replicas == 0 for b in s.config.backends.values()):
             cold_at = memory.idle_since + timedelta(seconds=cfg.HYBRID_COLD_IDLE_S)
             if now >= cold_at:
@@ -355,7 +373,7 @@ class HybridPolicy:
         return _Step(memory, outlook=(NextStep(what, down_at),))
 
     def _degraded(self, t: _Tick, memory: HybridState) -> _Step:
-        s, now, up_reasons = t.s, t.now, t.up_reasons
+        s, now = t.s, t.now
         cfg = s.settings
         since = memory.degraded_at or s.routing_since or now
         retry_at = since + timedelta(seconds=cfg.HYBRID_RETRY_S)
@@ -366,7 +384,7 @@ class HybridPolicy:
         if memory.up_windows >= cfg.HYBRID_UP_CONSECUTIVE:
             return _Step(evolve(memory, degraded_at=None, degraded_reason="", warming_since=now, ready_probes=0),
                          R.WARMING_VLLM, f"retry window of {_fmt(cfg.HYBRID_RETRY_S)} s reached and load still calls "
-                                         f"for vLLM: {'; '.join(up_reasons)}")
+                                         f"for vLLM: {'; '.join(self._up_reasons(t.load, t.cap, cfg))}")
         return _Step(evolve(memory, degraded_at=None, degraded_reason=""), R.FAST_ONLY,
                      f"retry window of {_fmt(cfg.HYBRID_RETRY_S)} s reached; load no longer calls for vLLM")
 
@@ -415,7 +433,7 @@ class HybridPolicy:
         s, load, cap, now = t.s, t.load, t.cap, t.now
         cfg = s.settings
         wishes: dict[BackendType, Wish] = {}
-        slow_ladder = Ladder(cfg.VLLM_SLEEP_L1_IDLE_S, cfg.VLLM_SLEEP_L2_IDLE_S, cfg.VLLM_DELETE_IDLE_S)
+        slow_ladder = _ladder(cfg.VLLM_SLEEP_L1_IDLE_S, cfg.VLLM_SLEEP_L2_IDLE_S, cfg.VLLM_DELETE_IDLE_S)
         fast_cfg = s.config.backends.get(FAST)
         if fast_cfg is not None:
             if state is R.COLD:

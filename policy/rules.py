@@ -47,24 +47,30 @@ def plan_tier(s: AliasSnapshot, backend: BackendType, wish: Wish, c: TierCensus,
     if target != wish.replicas:
         reason += f"; bounded to {bounds.min_replicas}..{bounds.max_replicas} replicas -> {target}"
     rebound = wish.replicas > tier.last_wanted
-    up_at, down_at, wanted = tier.last_scale_up_at, tier.last_scale_down_at, wish.replicas
+    wanted = wish.replicas
+
+    def tier_after(windows: int) -> TierState:
+        """The tier's state after this tick (its scale-up and scale-down times are set by `decide`)."""
+        if windows == tier.down_windows and wanted == tier.last_wanted:
+            return tier  # most ticks: as it was
+        return TierState(tier.last_scale_up_at, tier.last_scale_down_at, windows, wanted)
     outlook: list[NextStep] = []
     if target > c.supply and tier.last_scale_up_at is not None:
         ready_at = tier.last_scale_up_at + timedelta(seconds=cfg.SCALE_UP_COOLDOWN_S)
         if now < ready_at:
             outlook.append(NextStep(f"scale {backend.value} up to {target}", ready_at))
             return TierPlan(c.supply, reason + f"; scale-up cooldown until {ready_at.isoformat()}", 0, wish.ladder,
-                            False, TierState(up_at, down_at, 0, wanted), tuple(outlook))
+                            False, tier_after(0), tuple(outlook))
     if target >= c.supply:
-        return TierPlan(target, reason, 0, wish.ladder, False, TierState(up_at, down_at, 0, wanted))
+        return TierPlan(target, reason, 0, wish.ladder, False, tier_after(0))
 
     surplus = c.supply - target
     windows = tier.down_windows + 1 if counted else tier.down_windows
     if wish.urgent:
-        return TierPlan(target, reason, surplus, wish.ladder, False, TierState(up_at, down_at, windows, wanted))
+        return TierPlan(target, reason, surplus, wish.ladder, False, tier_after(windows))
     if rebound:
-        return TierPlan(target, reason + "; load rebounded: scale-down halted", 0, wish.ladder, True, TierState(up_at, down_at, 0, wanted))
-    plan_state = TierState(up_at, down_at, windows, wanted)
+        return TierPlan(target, reason + "; load rebounded: scale-down halted", 0, wish.ladder, True, tier_after(0))
+    plan_state = tier_after(windows)
     if backend is not BackendType.LLAMA_CPP:
         return TierPlan(target, reason, surplus, wish.ladder, False, plan_state)
     # The fast tier: hysteresis, then one replica per cycle and per cooldown.

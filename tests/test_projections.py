@@ -217,6 +217,24 @@ async def test_a_service_loads_the_projection_then_follows_the_log(store, bus, s
     assert view.position == last and view[ROUTING] == rebuilt["routing"] and view[INSTANCES] == rebuilt["instances"]
 
 
+async def test_a_view_tells_a_watcher_which_rows_the_log_touched(store):
+    """The controller rebuilds only the instance views whose rows changed: the view names them."""
+    from shared.projections.live import LiveView
+    from shared.projections.readmodels import CONTROL, INSTANCES
+
+    await record_a_day(store)
+    view = LiveView(store, store.engine, [INSTANCES, CONTROL])
+    touched = view.watch_keys(INSTANCES)
+    await view.load()
+    assert touched == {"f1", "f2", "v1"}  # after a load, every row counts as touched (f2: deleted)
+    touched.clear()
+    await store.append("instance:v1", [Envelope.wrap(InstanceStateChanged(
+        instance_id="v1", alias=ALIAS, backend_type=BackendType.VLLM, engine=EngineKind.SIMULATOR, worker_id="w1",
+        from_state=I.RUNNING, to_state=I.DRAINING, reason="idle"))])
+    await view.catch_up()
+    assert touched == {"v1"} and view[INSTANCES]["v1"]["state"] == "DRAINING"
+
+
 async def test_a_failed_projection_write_does_not_fold_events_twice(store, monkeypatch):
     import shared.projections.projector as projector_module
 

@@ -122,6 +122,11 @@ class Controller:
         self.resend_after_s = resend_after_s
         """A command with no sign of arrival after this long is sent again, with its own id."""
         self.view = LiveView(store, engine, [ROUTING, INSTANCES, WORKERS, CONTROL])
+        self.touched_instances = self.view.watch_keys(INSTANCES)
+        self.touched_aliases = self.view.watch_keys(CONTROL)
+        self.rows_by_alias: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+        """alias -> instance id -> its row in the view, kept up to date from the touched keys."""
+        self.alias_of: dict[str, str] = {}
         self.facts = LiveFacts()
         self.views = InstanceViews()
         self.states: dict[str, PolicyState] = {}
@@ -158,6 +163,7 @@ class Controller:
     async def _lead(self, stop: asyncio.Event) -> None:
         self.leading_since = self.clock()
         self.states.clear()
+        self.views = InstanceViews()  # everything looked at afresh by a new leader
         log.info("%s leads the pool's decisions", self.name)
         await self.view.catch_up()
         await self.register_aliases()
@@ -210,16 +216,12 @@ class Controller:
         now = self.clock()
         await self.view.catch_up()
         await self.watch_workers(now)
-        statuses = self.facts.statuses()
-        fresh = self.facts.fresh_workers(now)
         workers_up = {w for w, row in self.view[WORKERS].items() if row["status"] == "up"}
-        by_alias: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for row in self.view[INSTANCES].values():
-            by_alias[row["alias"]].append(row)
-        self.views.forget_except(set(self.view[INSTANCES]))
+        self.views.begin(self.facts.statuses(), workers_up, self.facts.fresh_workers(now), self.facts.take_changes(),
+                         self.index_rows())
         decisions = []
         for config in self.pool.aliases:
-            snapshot = self.snapshot(config, by_alias.get(config.alias, ()), statuses, workers_up, fresh, now)
+            snapshot = self.snapshot(config, now)
             decision = decide(snapshot, now)
             decisions.append(decision)
             recorded = None
@@ -238,17 +240,38 @@ class Controller:
         self.ticks += 1
         return decisions
 
-    def snapshot(self, config: AliasConfig, instance_rows, statuses, workers_up: set[str], fresh: set[str],
-                 now: datetime) -> AliasSnapshot:
+    def index_rows(self) -> set[str]:
+        """Bring `rows_by_alias` up to date with the rows the log touched; the aliases whose rows or notes changed."""
+        changed = set(self.touched_aliases)
+        self.touched_aliases.clear()
+        rows, gone = self.view[INSTANCES], []
+        for instance_id in self.touched_instances:
+            before = self.alias_of.pop(instance_id, None)
+            if before is not None:
+                self.rows_by_alias[before].pop(instance_id, None)
+                changed.add(before)
+            row = rows.get(instance_id)
+            if row is None:
+                gone.append(instance_id)
+                continue
+            self.alias_of[instance_id] = row["alias"]
+            self.rows_by_alias[row["alias"]][instance_id] = row
+            changed.add(row["alias"])
+        self.touched_instances.clear()
+        self.views.forget(gone)
+        return changed
+
+    def snapshot(self, config: AliasConfig, now: datetime) -> AliasSnapshot:
         control = self.view[CONTROL].get(config.alias)
         state = self.states.get(config.alias)
         if state is None:
             state = recorded_state(control)
+        instances = self.views.of(config.alias, self.rows_by_alias[config.alias].values(),
+                                  (control or {}).get("notes") or {})
         return build_snapshot(
             config=config, settings=self.pool.policy, routing_row=self.view[ROUTING].get(config.alias),
-            control_row=control, instance_rows=instance_rows, statuses=statuses, workers_up=workers_up, fresh_workers=fresh,
-            metrics=self.facts.metrics(config.alias, now), demand=self.facts.waiting(config.alias, now),
-            state=state, now=now, views=self.views,
+            control_row=control, instances=instances, metrics=self.facts.metrics(config.alias, now),
+            demand=self.facts.waiting(config.alias, now), state=state, views=self.views,
         )
 
     async def record(self, snapshot: AliasSnapshot, decision: Decision, now: datetime) -> Envelope | None:

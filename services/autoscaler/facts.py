@@ -25,6 +25,8 @@ WINDOW_GRACE_S = 0.3
 DEMAND_FRESH_S = 2.5
 """Gateways repeat demand every second while they hold requests; older news is stale."""
 KEPT_PERIODS = 4
+CHANGES_KEPT = 100_000
+"""Changed instances noted for the controller at most; past this (no leader reading them) "any may have"."""
 STALE_AFTER_REPORTS = 3
 """A worker not heard from for this many of its report intervals: its instances' reports no longer count
 (not a healthy probe, no load); lost only after MODELPOOL_WORKER_TIMEOUT_S."""
@@ -45,6 +47,10 @@ class LiveFacts:
     """alias -> period -> the period's windows merged so far: merged as they arrive, not at every tick."""
     demand: dict[str, dict[str, DemandSignal]] = field(default_factory=lambda: defaultdict(dict))
     _statuses: dict[str, InstanceStatus] = field(default_factory=dict)
+    _changed: dict[str, str] | None = None
+    """instance id -> alias, for each instance whose status changed since `take_changes`; None: any may have."""
+    _cut_at: datetime | None = None
+    _cut: tuple[datetime, datetime] | None = None
 
     # ------------------------------------------------------------------ feeding
 
@@ -55,16 +61,25 @@ class LiveFacts:
         self.heartbeats[heartbeat.worker_id] = heartbeat
         # Keep the per-instance index up to date here, a worker at a time, rather than
         # rebuilding it for every instance at every tick. A status that says what the
-        # last one said is kept as the same object: the controller then knows at a
-        # glance that nothing changed for that instance.
-        previous = self._statuses
-        if current is not None:
-            for status in current.instances:
-                previous.pop(status.instance_id, None)
+        # last one said is kept as the same object, and only the others are noted as
+        # changed: the controller rebuilds its view of those instances alone.
+        statuses = self._statuses
+        gone = {s.instance_id: s.alias for s in current.instances} if current is not None else {}
         for status in heartbeat.instances:
-            old = previous.get(status.instance_id)
+            gone.pop(status.instance_id, None)
+            old = statuses.get(status.instance_id)
             if old is None or not _says_the_same(old, status):
-                previous[status.instance_id] = status
+                statuses[status.instance_id] = status
+                self._note_change(status.instance_id, status.alias)
+        for instance_id, alias in gone.items():
+            statuses.pop(instance_id, None)
+            self._note_change(instance_id, alias)
+
+    def _note_change(self, instance_id: str, alias: str) -> None:
+        if self._changed is not None:
+            self._changed[instance_id] = alias
+            if len(self._changed) > CHANGES_KEPT:  # nobody reads them (a standby): say "everything" instead
+                self._changed = None
 
     def window(self, window: GatewayWindow) -> None:
         periods = self.windows[window.alias]
@@ -83,7 +98,7 @@ class LiveFacts:
 
     def metrics(self, alias: str, now: datetime) -> MetricWindow | None:
         """The newest period every gateway has had time to report, merged over the gateways."""
-        ready = now - timedelta(seconds=WINDOW_GRACE_S)
+        ready = self._cutoffs(now)[0]
         newest = None
         for window in (self.merged.get(alias) or {}).values():
             if window.window_end <= ready and (newest is None or window.window_start > newest.window_start):
@@ -92,8 +107,22 @@ class LiveFacts:
 
     def waiting(self, alias: str, now: datetime) -> int:
         """Requests the gateways hold for the alias right now."""
-        fresh = now - timedelta(seconds=DEMAND_FRESH_S)
-        return sum(s.held for s in self.demand.get(alias, {}).values() if s.at >= fresh)
+        signals = self.demand.get(alias)
+        if not signals:
+            return 0
+        fresh = self._cutoffs(now)[1]
+        return sum(s.held for s in signals.values() if s.at >= fresh)
+
+    def _cutoffs(self, now: datetime) -> tuple[datetime, datetime]:
+        """(windows ended by, demand heard since) for `now`: worked out once per tick, not once per alias."""
+        if self._cut_at != now:
+            self._cut_at, self._cut = now, (now - timedelta(seconds=WINDOW_GRACE_S), now - timedelta(seconds=DEMAND_FRESH_S))
+        return self._cut
+
+    def take_changes(self) -> dict[str, str] | None:
+        """The instances whose status changed since the last call (id -> alias); None when any may have."""
+        changed, self._changed = self._changed, {}
+        return changed
 
     def statuses(self) -> dict[str, InstanceStatus]:
         """instance id -> its latest status."""

@@ -36,6 +36,7 @@ class LiveView:
         self._wake = asyncio.Event()
         self._folding = asyncio.Lock()
         self._listeners: list[Callable[[Sequence[RawEvent]], None]] = []
+        self._watched: dict[str, list[set[str]]] = {}
 
     def __getitem__(self, projection: Projection) -> Rows:
         return self.rows[projection.name]
@@ -48,6 +49,17 @@ class LiveView:
         """
         self._listeners.append(listener)
 
+    def watch_keys(self, projection: Projection) -> set[str]:
+        """A set the view adds to the key of every row of `projection` an event touches (deleted ones included).
+
+        The caller empties it as it reads it: a reader that rebuilds only what changed
+        (the controller's instance views) learns what did without scanning the rows.
+        After `load` every key counts as touched.
+        """
+        keys: set[str] = set(self.rows[projection.name])
+        self._watched.setdefault(projection.name, []).append(keys)
+        return keys
+
     async def load(self) -> None:
         """Rows and position from the projector's tables, read in one snapshot."""
         async with self.engine.connect() as conn:
@@ -55,11 +67,15 @@ class LiveView:
             positions = {p.name: await load_position(conn, p.name) for p in self.projections}
             rows = {p.name: await load_rows(conn, p) for p in self.projections}
             await conn.rollback()
+        before = self.rows
         if len(set(positions.values())) > 1:
             # Projections at different positions (one added later): start them all from scratch.
             self.rows, self.position = {p.name: {} for p in self.projections}, 0
         else:
             self.rows, self.position = rows, next(iter(positions.values()), 0)
+        for name, watchers in self._watched.items():
+            for keys in watchers:
+                keys.update(before[name], self.rows[name])
         await self.catch_up()
 
     async def catch_up(self) -> int:
@@ -70,7 +86,9 @@ class LiveView:
             async for events in self.store.iter_raw(self.position):
                 for event in events:
                     for p in self.projections:
-                        p.apply(self.rows[p.name], event)
+                        touched = p.apply(self.rows[p.name], event)
+                        for keys in self._watched.get(p.name, ()):
+                            keys.update(touched)
                 if events:
                     self.position = events[-1].position
                     applied += len(events)
