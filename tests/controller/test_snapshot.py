@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import uuid
 from dataclasses import FrozenInstanceError
 from datetime import datetime, timedelta, timezone
 
@@ -38,7 +39,7 @@ def test_the_builder_makes_the_same_frozen_object_as_the_class():
     assert copy.copy(built) == made and pickle.loads(pickle.dumps(built)) == made
     with pytest.raises(FrozenInstanceError):
         built.inflight = 3  # type: ignore[misc]
-    decision = builder(Decision)(policy="hybrid", policy_version=1, decision_id=__import__("uuid").uuid4(), targets={},
+    decision = builder(Decision)(policy="hybrid", policy_version=1, decision_id=uuid.uuid4(), targets={},
                                  targets_reason="", state=PolicyState(), mix_weight=0.0)
     assert type(decision) is Decision and decision.actions == () and decision.state == PolicyState()
 
