@@ -194,14 +194,10 @@ class InstanceViews:
                     and (cached[0] is updated or cached[0] == updated) and cached[4] == noted):
                 views.append(cached[5])
                 continue
-            views.append(self._build(row, reported, up, fresh, note))
+            view = instance_view(row, reported, up, fresh, note)
+            cache[instance_id] = (updated, reported, up, fresh, noted, view)
+            views.append(view)
         return tuple(views)
-
-    def _build(self, row: Mapping[str, Any], reported: InstanceStatus | None, up: bool, fresh: bool,
-               note: Mapping[str, Any] | None) -> InstanceView:
-        view = instance_view(row, reported, up, fresh, note)
-        self._views[row["instance_id"]] = (row["updated_at"], reported, up, fresh, repr(note) if note else None, view)
-        return view
 
     def pending(self, control_row: Mapping[str, Any]) -> tuple[PendingCommand, ...]:
         """An alias's commands in flight, parsed again only when the set of them changed."""
