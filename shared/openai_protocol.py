@@ -298,6 +298,13 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class BackendCard(BaseModel):
+    """One backend of a pool alias, as the gateway lists it."""
+
+    engine: str
+    simulated: bool
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -305,10 +312,14 @@ class ModelCard(BaseModel):
     owned_by: str = "modelpool"
     # --- modelpool extensions ----------------------------------------------
     engine: str | None = None
-    """The engine behind this model (`llama.cpp`, `vllm`, `simulated-vllm`, ...)."""
+    """The engine behind this model (`llama.cpp`, `vllm`, `simulated-vllm`, ...); several, comma-separated."""
     simulated: bool = False
-    """True when no real inference happens (the simulator engine)."""
+    """True when no real inference happens (the simulator engine) on any of its backends."""
     max_model_len: int | None = None
+    routing_state: str | None = None
+    """The pool alias's routing state (the gateway's listing only)."""
+    backends: dict[str, BackendCard] | None = None
+    """The pool alias's backends by name, each with its engine and whether it is simulated (the gateway's listing only)."""
 
 
 class ModelList(BaseModel):

@@ -30,6 +30,7 @@ ENVIRONMENT = {
     "gateway_host": "MODELPOOL_GATEWAY_HOST",
     "gateway_port": "MODELPOOL_GATEWAY_PORT",
     "worker_id": "MODELPOOL_WORKER_ID",
+    "worker_host": "MODELPOOL_WORKER_HOST",
     "worker_gpu_memory_gb": "MODELPOOL_WORKER_GPU_MEMORY_GB",
     "worker_slots": "MODELPOOL_WORKER_SLOTS",
     "worker_sim_speedup": "MODELPOOL_WORKER_SIM_SPEEDUP",
@@ -57,6 +58,9 @@ class Settings(BaseModel):
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(default=8000, ge=0, le=65535)
     worker_id: str | None = None
+    worker_host: str = "127.0.0.1"
+    """The address this worker's engines listen on and are reached at: loopback, or the worker's own
+    address where the gateway runs elsewhere (never 0.0.0.0: engines' control paths stay off other networks)."""
     worker_gpu_memory_gb: float = Field(default=0.0, ge=0)
     worker_slots: int = Field(default=4, ge=0)
     worker_sim_speedup: float = Field(default=1.0, gt=0)
@@ -86,6 +90,14 @@ class Settings(BaseModel):
     def _namespace(cls, value: str) -> str:
         if not NAMESPACE.match(value):
             raise ValueError("must start with a lowercase letter and hold only [a-z0-9_], at most 48 characters")
+        return value
+
+    @field_validator("worker_host")
+    @classmethod
+    def _one_address(cls, value: str) -> str:
+        if value.strip() in ("", "0.0.0.0", "::", "[::]"):
+            raise ValueError("must be one address (loopback or the worker's own), not every interface: "
+                             "engines' control endpoints must not be reachable from other networks")
         return value
 
     @field_validator("database_url")

@@ -1,11 +1,15 @@
 """The OpenAI-compatible front door of the pool.
 
-Each request goes to one serving instance of its alias, chosen by the routing
-state in the gateway's live view of the log (`routing.py`); a request never
-crosses backends and a stream stays on its instance. A request for an alias with
-nothing to serve it is held until an instance runs (`holds.py`). Every request is
-measured into its alias's metric window (`meter.py`). The gateway decides nothing
-about states or replicas; that is the controller's alone.
+Each request is checked at the edge (`edge.py`: key, size, shape), admitted to
+a slot on one serving instance of its alias or queued for one (`admission.py`),
+sent there, and relayed back. The routing state in the gateway's live view of
+the log picks the backend (`routing.py`); a request never crosses backends, a
+stream stays on its instance, and a request is sent again (once, to another
+instance of the same backend) only when nothing of it can have run: the
+connection was refused or the engine answered 503. Every request is measured
+into its alias's metric window (`meter.py`) and `/metrics`, and logged in one
+access-log line. The gateway decides nothing about states or replicas; that is
+the controller's alone.
 """
 
 from __future__ import annotations
@@ -18,48 +22,59 @@ import random
 import re
 import socket
 import time
+import uuid
 from collections.abc import Sequence
 
 import httpx
 import orjson
-from pydantic import ValidationError
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from services.gateway.holds import Holds, StartTimes
+from services.gateway.admission import Admission, QueueFull, Waiter
+from services.gateway.edge import (
+    CHAT,
+    COMPLETIONS,
+    Keys,
+    error_response,
+    http_error,
+    parse_request,
+    read_body,
+    unexpected_error,
+)
 from services.gateway.meter import Meter, Outcome, RequestTrace, outcome_of
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.routing import Choice, Router
+from services.gateway.routing import Router, Slot
 from services.gateway.sse import EventScanner, Usage, usage_of_body
+from services.gateway.starts import StartTimes
 from shared.bus.telemetry import TelemetryBus
 from shared.contracts.backends import BackendType, EngineKind, engine_label
-from shared.contracts.config import PoolConfig
+from shared.contracts.config import GatewayConfig, PoolConfig
 from shared.eventlog.store import RawEvent
 from shared.openai_protocol import (
     ENGINE_HEADER,
     SSE_DONE,
     APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
+    BackendCard,
     ModelCard,
     ModelList,
-    bad_request,
     internal_error,
     not_found_model,
+    request_timeout,
     service_unavailable,
-    validation_error,
+    too_many_requests,
 )
 from shared.projections.live import LiveView
 from shared.projections.readmodels import ROUTING
 from shared.settings import Settings
+from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("modelpool.access")
 
-CONNECT_TIMEOUT_S = 5.0
-"""An instance that does not accept a connection this fast is treated like one that refused it."""
 RETRY_AFTER_S = 2
 """Told to a client whose hold expired; a retry is held again, so a short wait loses nothing."""
 KEEPALIVE = b": keep-alive\n\n"
@@ -68,6 +83,7 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),  # proxies such as nginx would otherwise buffer the keep-alives
 ]
+REQUEST_ID_HEADER = "x-request-id"
 
 
 def gateway_id(settings: Settings) -> str:
@@ -75,14 +91,10 @@ def gateway_id(settings: Settings) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", settings.gateway_id or f"{socket.gethostname()}-{os.getpid()}")
 
 
-def upstream_client() -> httpx.AsyncClient:
-    # No read timeout: a long generation is not a failure; a client that gives up disconnects, which we follow.
-    return httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
-                             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
-
-
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
+def upstream_client(config: GatewayConfig) -> httpx.AsyncClient:
+    # The read timeout bounds an engine's silence, not a generation: a stream sends a chunk per token.
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256),
+                             timeout=httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s))
 
 
 def error_event(exc: APIError) -> bytes:
@@ -106,8 +118,12 @@ def upstream_error(body: bytes, status: int) -> APIError:
     return APIError(status, body.decode(errors="replace")[:1000] or f"engine answered {status}", type="api_error")
 
 
+def instance_failed(instance_id: str, exc: Exception) -> APIError:
+    return APIError(502, f"instance {instance_id} failed while answering: {exc!r}", type="api_error", code="instance_failed")
+
+
 class Refused(Exception):
-    """The request cannot be sent to an instance: what the client is told, and how it counts."""
+    """The request cannot be served: what the client is told, and how it counts."""
 
     def __init__(self, error: APIError, outcome: Outcome) -> None:
         super().__init__(error.body.error.message)
@@ -116,23 +132,28 @@ class Refused(Exception):
 
 
 class Gateway:
-    """Everything the gateway keeps between requests: its view, router, holds and meters."""
+    """Everything the gateway keeps between requests: its view, router, admission, meters and keys."""
 
     def __init__(self, settings: Settings, view: LiveView, client: httpx.AsyncClient, bus: TelemetryBus,
-                 pool: PoolConfig | None = None) -> None:
+                 pool: PoolConfig | None = None, telemetry: Telemetry | None = None) -> None:
+        pool = pool or PoolConfig()
         self.settings = settings
+        self.config = pool.gateway
+        self.keys = Keys(pool.gateway.keys())
         self.view = view
         self.client = client
         self.bus = bus
+        self.telemetry = telemetry or Telemetry("gateway")
         # The pool file's aliases, as configured: known (and held, as COLD) before the controller registers them.
-        self.configured = {a.alias: a.model_dump(mode="json") for a in pool.aliases} if pool else {}
+        self.configured = {a.alias: a.model_dump(mode="json") for a in pool.aliases}
         self.gateway_id = gateway_id(settings)
         self.clock = time.monotonic
         self.router = Router(view, random.Random(), frozenset(self.configured))
         self.meter = Meter(self.gateway_id, settings.metric_window_s, self.clock)
         self.metrics = GatewayMetrics()
         self.starts = StartTimes(settings.hold_timeout_s)
-        self.holds = Holds(self.router, self.meter, self.metrics, bus.publish_demand, self.gateway_id)
+        self.admission = Admission(self.router, self.meter, self.metrics, bus.publish_demand, self.gateway_id,
+                                   self.config.queue_size, self.clock)
 
     async def start(self) -> None:
         """Read past start times, then follow the view; call after the view has loaded and before serving."""
@@ -140,51 +161,64 @@ class Gateway:
         self.view.add_listener(self.view_advanced)
 
     def view_advanced(self, events: Sequence[RawEvent]) -> None:
-        self.router.view_advanced()  # first: the holds ask the router
+        self.router.view_advanced()  # first: admission asks the router
         self.starts.apply(events)
-        self.holds.view_advanced()
+        self.admission.view_advanced()
 
     async def publish_windows(self, stop: asyncio.Event) -> None:
         await self.meter.run(lambda: list(self.view[ROUTING]), self.bus.publish_window, stop)
 
-    async def exchange(self, request: Request, model_cls: type, path: str) -> Exchange | Response:
+    async def exchange(self, request: Request, path: str) -> Exchange | Response:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError:
-            return error_response(bad_request("request body is not valid JSON"))
-        try:
-            parsed = model_cls.model_validate(body)
-        except ValidationError as exc:
-            return error_response(validation_error(exc))
-        if not self.router.known(parsed.model):
-            return error_response(not_found_model(parsed.model))
-        if parsed.stream:
+            self.keys.check(request)
+            routed = parse_request(await read_body(request, self.config.max_body_bytes), path)
+            if not self.router.known(routed.model):
+                raise not_found_model(routed.model)
+        except APIError as exc:
+            response = error_response(exc)
+            response.headers[REQUEST_ID_HEADER] = request_id
+            access_log.info("%s", orjson.dumps({"request_id": request_id, "path": path, "status": exc.status,
+                                                 "outcome": "rejected", "error": exc.body.error.code}).decode())
+            return response
+        body = routed.body
+        if routed.stream:
             # Ask for usage, so the window counts tokens exactly; the scanner takes it out
             # again unless the client asked for it too.
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        return Exchange(self, parsed.model, path, orjson.dumps(body), parsed.stream, parsed.include_usage_in_stream())
+        return Exchange(self, routed.model, path, orjson.dumps(body), routed.stream, routed.include_usage, request_id,
+                        dict(request.headers))
 
 
 class Exchange:
-    """One proxied request, as an ASGI response: held if it must be, sent to an instance, relayed, measured.
+    """One proxied request, as an ASGI response: admitted or queued, sent to an instance, relayed, measured.
 
     It sends its own ASGI messages rather than use a streaming response, because
-    it has to notice a client that leaves while nothing is being sent (held, or
+    it has to notice a client that leaves while nothing is being sent (queued, or
     waiting on a slow engine), and release what it holds in every case.
     """
 
-    def __init__(self, gateway: Gateway, alias: str, path: str, payload: bytes, stream: bool, keep_usage: bool) -> None:
+    def __init__(self, gateway: Gateway, alias: str, path: str, payload: bytes, stream: bool, keep_usage: bool,
+                 request_id: str, headers: dict[str, str]) -> None:
         self.gateway = gateway
         self.alias = alias
         self.path = path
         self.payload = payload
         self.stream = stream
         self.keep_usage = keep_usage
+        self.request_id = request_id
+        self.client_headers = headers
         self.trace = RequestTrace(gateway.meter.of(alias), gateway.clock)
-        self.started = False
-        self.instance: dict | None = None
+        self.status: int | None = None
+        self.slot: Slot | None = None
+        self.engine: str | None = None
+        self.retries = 0
         self.upstream: httpx.Response | None = None
         self.usage: Usage | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.status is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         work = asyncio.ensure_future(self._run(send))
@@ -193,119 +227,198 @@ class Exchange:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            work.cancel()  # the client left (or the server stops): stop holding, close the upstream
+            work.cancel()  # the client left (or the server stops): stop waiting, close the upstream
             with contextlib.suppress(asyncio.CancelledError):
                 await work
 
     async def _run(self, send: Send) -> None:
         outcome = Outcome.LEFT  # unless something below says otherwise, we were cancelled: the client is gone
-        try:
-            outcome = await self._serve(send)
-        except Exception as exc:
-            log.exception("request for %s failed in the gateway", self.alias)
-            outcome = Outcome.GATEWAY_ERROR
-            with contextlib.suppress(Exception):
-                await self._refuse(send, internal_error(f"gateway failure: {exc!r}"))
-        finally:
-            self.trace.finished(outcome, self.usage)
-            backend = self.trace.backend.value if self.trace.backend else "none"
-            self.gateway.metrics.request(self.alias, backend, outcome.value)
-            if self.instance is not None:
-                self.gateway.router.release(self.instance["instance_id"])
-            if self.upstream is not None:
-                await self.upstream.aclose()  # an unfinished answer: the engine sees the disconnect and stops
+        telemetry = self.gateway.telemetry
+        context = telemetry.extract({k: v for k, v in self.client_headers.items() if k in ("traceparent", "tracestate")})
+        with telemetry.tracer.start_as_current_span("gateway.request", context=context, kind=SpanKind.SERVER,
+                                                    attributes={"modelpool.alias": self.alias,
+                                                                "http.route": self.path}) as span:
+            try:
+                outcome = await self._serve(send)
+            except Exception as exc:
+                log.exception("request for %s failed in the gateway", self.alias)
+                outcome = Outcome.GATEWAY_ERROR
+                with contextlib.suppress(Exception):
+                    await self._refuse(send, internal_error(f"gateway failure: {exc!r}"))
+            finally:
+                await self._finish(outcome, span)
+
+    async def _finish(self, outcome: Outcome, span: Span) -> None:
+        gateway, trace = self.gateway, self.trace
+        trace.finished(outcome, self.usage)
+        backend = trace.backend.value if trace.backend else "none"
+        gateway.metrics.request(self.alias, backend, outcome.value)
+        if outcome is Outcome.OK and trace.backend is not None:
+            gateway.metrics.served(self.alias, backend, trace.ttft_s, trace.ended - trace.arrived, trace.tpot_s)
+        if self.slot is not None:
+            gateway.admission.release(self.slot)
+        if self.upstream is not None:
+            # An unfinished answer: closing makes the engine see the disconnect and stop generating.
+            await self.upstream.aclose()
+        instance = self.slot.instance_id if self.slot else None
+        span.set_attributes({"modelpool.outcome": outcome.value, "modelpool.backend": backend,
+                             "http.response.status_code": self.status or 0})
+        if instance:
+            span.set_attribute("modelpool.instance", instance)
+        if outcome not in (Outcome.OK, Outcome.CLIENT_ERROR, Outcome.LEFT):
+            span.set_status(Status(StatusCode.ERROR, outcome.value))
+        record = {
+            "request_id": self.request_id, "alias": self.alias, "path": self.path, "stream": self.stream,
+            "status": self.status, "outcome": outcome.value, "instance": instance, "backend": backend,
+            "engine": self.engine, "retries": self.retries,
+            "queue_s": round(trace.dispatched_at - trace.arrived, 4) if trace.dispatched_at is not None else None,
+            "ttft_s": round(trace.ttft_s, 4) if trace.ttft_s is not None else None,
+            "e2e_s": round(trace.ended - trace.arrived, 4),
+            "prompt_tokens": self.usage[0] if self.usage else None,
+            "completion_tokens": self.usage[1] if self.usage else trace.content_chunks or None,
+        }
+        access_log.info("%s", orjson.dumps(record).decode())
 
     async def _serve(self, send: Send) -> Outcome:
-        choice = self.gateway.router.choose(self.alias)
-        if choice is None:
-            choice = await self._hold(send)
-            if choice is None:
-                await self._refuse(send, alias_starting(self.alias, self.gateway.clock() - self.trace.arrived))
-                return Outcome.HOLD_EXPIRED
         try:
-            self.upstream = await self._connect(choice)
+            admitted = self.gateway.admission.admit(self.alias)
+            self.slot = admitted if isinstance(admitted, Slot) else await self._wait(send, admitted)
+            self.upstream = await self._connect()
         except Refused as refused:
             await self._refuse(send, refused.error)
             return refused.outcome
+        except QueueFull as full:
+            await self._refuse(send, too_many_requests(
+                f"{full}; the queue of `{self.alias}` is full, retry after {full.retry_after_s:.0f} s",
+                full.retry_after_s))
+            return Outcome.QUEUE_FULL
         return await self._relay(send, self.upstream)
 
-    async def _hold(self, send: Send) -> Choice | None:
-        """Wait for a routable instance; None when the hold's budget ran out first."""
+    async def _wait(self, send: Send, waiter: Waiter) -> Slot:
+        """Wait in the alias's queue for a slot; raise `Refused` when the wait's budget runs out first.
+
+        The budget depends on what the request waits for: a slot on a running
+        instance (the queue timeout, then 408) or an instance to start at all (the
+        alias's start budget, then 503). A stream waiting for a start gets its
+        headers now and keep-alives, so the client and any proxy see an answer begin.
+        """
         gateway, clock = self.gateway, self.gateway.clock
-        hold = gateway.holds.enter(self.alias)
-        entered = clock()
-        deadline = self.trace.arrived + gateway.starts.budget_s(self.alias)
         keepalive_s = gateway.settings.hold_keepalive_s
         outcome = "left"
         try:
-            if self.stream:
-                # Headers now, so the client and any proxy between see an answer begin.
-                await self._start(send, 200, SSE_HEADERS)
-            while (choice := gateway.router.choose(self.alias)) is None:
-                remaining = deadline - clock()
+            while True:
+                routable = gateway.router.routable(self.alias)
+                if not routable and self.stream and not self.started:
+                    await self._start(send, 200, SSE_HEADERS)
+                budget = gateway.config.queue_timeout_s if routable else gateway.starts.budget_s(self.alias)
+                remaining = waiter.entered + budget - clock()
                 if remaining <= 0:
+                    waited = clock() - self.trace.arrived
+                    if routable:
+                        outcome = "timeout"
+                        raise Refused(request_timeout(
+                            f"no slot on an instance of `{self.alias}` freed within {budget:g} s (queue timeout); "
+                            "retry later"), Outcome.QUEUE_TIMEOUT)
                     outcome = "expired"
-                    return None
-                await gateway.holds.wait(hold, min(remaining, keepalive_s) if self.stream else remaining)
-                if self.stream and not gateway.router.routable(self.alias) and clock() < deadline:
+                    raise Refused(alias_starting(self.alias, waited), Outcome.HOLD_EXPIRED)
+                # Woken early by a slot; otherwise at the deadline or the next keep-alive, to look again.
+                slot = await gateway.admission.wait(waiter, min(remaining, keepalive_s))
+                if slot is not None:
+                    outcome = "served"
+                    return slot
+                if self.started and clock() < waiter.entered + budget:
                     await self._send(send, KEEPALIVE)
-            outcome = "served"
-            return choice
         finally:
-            gateway.holds.leave(hold, outcome, clock() - entered)
+            gateway.admission.leave(waiter, outcome)
 
-    async def _connect(self, choice: Choice) -> httpx.Response:
-        """Send the request to the first instance of the choice; a refused connection is retried once, on the next."""
-        router, trace = self.gateway.router, self.trace
-        trace.dispatched(choice.backend)
-        failures = []
-        for instance in choice.instances[:2]:
-            router.acquire(instance["instance_id"])
-            self.instance = instance
-            request = self.gateway.client.build_request(
-                "POST", f"{instance['endpoint']}{self.path}", content=self.payload,
-                # Uncompressed, so the bytes relayed as they come are the bytes the client can read.
-                headers={"content-type": "application/json", "accept-encoding": "identity"})
+    async def _connect(self) -> httpx.Response:
+        """Send the request to its slot's instance; a refused connection or a 503 is sent once more, elsewhere.
+
+        Only then: nothing of the request can have run. Another instance of the same
+        backend with room takes it (never the other backend, seed 000 §6); without
+        one, the client gets the 503, or `instance_unreachable`.
+        """
+        gateway, trace = self.gateway, self.trace
+        assert self.slot is not None
+        trace.dispatched(self.slot.backend)
+        tried: set[str] = set()
+        failures: list[str] = []
+        while True:
+            slot = self.slot
+            tried.add(slot.instance_id)
+            response, reason = None, None
             try:
-                return await self.gateway.client.send(request, stream=True)
+                response = await gateway.client.send(self._upstream_request(slot), stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                # Nothing reached the engine, so trying another instance cannot run the request twice.
-                failures.append(f"{instance['instance_id']}: {exc!r}")
-                trace.refused(choice.backend)
+                failures.append(f"{slot.instance_id}: {exc!r}")
+                trace.refused(slot.backend)
+                reason = "refused"
             except httpx.HTTPError as exc:
                 # The engine may have started on it: not safe to send again.
-                raise Refused(APIError(502, f"instance {instance['instance_id']} failed before answering: {exc!r}",
-                                       type="api_error", code="instance_failed"), Outcome.ENGINE_ERROR) from exc
-            router.release(instance["instance_id"])
-            self.instance = None
-        log.warning("no %s instance of %s took the request: %s", choice.backend.value, self.alias, "; ".join(failures))
-        raise Refused(service_unavailable(
-            f"no {choice.backend.value} instance of `{self.alias}` took the connection; retry shortly",
-            code="instance_unreachable"), Outcome.UNREACHABLE)
+                raise Refused(instance_failed(slot.instance_id, exc), Outcome.ENGINE_ERROR) from exc
+            if response is not None:
+                if response.status_code != 503 or self.retries:
+                    return response
+                reason = "unavailable"
+            other = None if self.retries else gateway.router.take_in(self.alias, slot.backend, frozenset(tried))
+            if other is None:
+                if response is not None:
+                    return response  # the engine's own 503, as it said it
+                log.warning("no %s instance of %s took the request: %s", slot.backend.value, self.alias, "; ".join(failures))
+                raise Refused(service_unavailable(
+                    f"no {slot.backend.value} instance of `{self.alias}` took the connection; retry shortly",
+                    code="instance_unreachable"), Outcome.UNREACHABLE)
+            if response is not None:
+                await response.aclose()
+            gateway.metrics.retried(self.alias, slot.backend.value, reason or "refused")
+            self.retries += 1
+            self.slot = other
+            gateway.admission.release(slot)
+
+    def _upstream_request(self, slot: Slot) -> httpx.Request:
+        headers = {"content-type": "application/json",
+                   # Uncompressed, so the bytes relayed as they come are the bytes the client can read.
+                   "accept-encoding": "identity", REQUEST_ID_HEADER: self.request_id}
+        self.gateway.telemetry.inject(headers)  # traceparent: the engine's spans join the request's trace
+        return self.gateway.client.build_request("POST", f"{slot.instance['endpoint']}{self.path}",
+                                                 content=self.payload, headers=headers)
 
     async def _relay(self, send: Send, response: httpx.Response) -> Outcome:
+        instance = self.slot.instance  # type: ignore[union-attr]
         status = response.status_code
-        if self.started:  # a held stream: its 200 is out, so an engine's error becomes an error event
-            if status != 200:
-                await self._send(send, error_event(upstream_error(await response.aread(), status)), more=False)
-                return outcome_of(status)
-            # Its headers went out before an instance was chosen: say which one serves it, as SSE
-            # comments carry it (clients skip comment lines).
-            instance = self.instance
-            engine = response.headers.get(ENGINE_HEADER, instance["engine"])
-            await self._send(send, f": modelpool instance={instance['instance_id']} backend={instance['backend_type']} "
-                                   f"engine={engine}\n\n".encode())
-        else:
-            instance = self.instance
-            await self._start(send, status, [
-                (b"content-type", response.headers.get("content-type", "application/json").encode()),
-                (b"x-modelpool-instance", instance["instance_id"].encode()),
-                (b"x-modelpool-backend", instance["backend_type"].encode()),
-                (ENGINE_HEADER.encode(), response.headers.get(ENGINE_HEADER, instance["engine"]).encode()),
-            ])
+        self.engine = response.headers.get(ENGINE_HEADER, instance["engine"])
         if self.stream and status == 200:
+            if self.started:
+                # A held stream: its headers went out before an instance was chosen. Say which one
+                # serves it, as SSE comments carry it (clients skip comment lines).
+                await self._send(send, f": modelpool instance={instance['instance_id']} "
+                                       f"backend={instance['backend_type']} engine={self.engine}\n\n".encode())
+            else:
+                await self._start(send, 200, [*SSE_HEADERS, *self._served_by(instance)])
             return await self._relay_events(send, response)
-        return await self._relay_body(send, response)
+        # A whole answer (or an engine's error), read before anything is sent: an engine
+        # that fails midway is a 502 with an error body, not a truncated answer.
+        try:
+            body = await response.aread()
+        except httpx.HTTPError as exc:
+            log.warning("answer of %s from %s broke: %r", self.alias, instance["instance_id"], exc)
+            await self._refuse(send, instance_failed(instance["instance_id"], exc))
+            return Outcome.ENGINE_ERROR
+        if self.started:  # a held stream the engine refused: its 200 is out, so the error is an event
+            await self._send(send, error_event(upstream_error(body, status)), more=False)
+            return outcome_of(status)
+        if status == 200:
+            self.usage = usage_of_body(body)
+        await self._start(send, status, [
+            (b"content-type", response.headers.get("content-type", "application/json").encode()),
+            *self._served_by(instance)])
+        await self._send(send, body, more=False)
+        return outcome_of(status)
+
+    def _served_by(self, instance: dict) -> list[tuple[bytes, bytes]]:
+        return [(b"x-modelpool-instance", instance["instance_id"].encode()),
+                (b"x-modelpool-backend", instance["backend_type"].encode()),
+                (ENGINE_HEADER.encode(), (self.engine or instance["engine"]).encode())]
 
     async def _relay_events(self, send: Send, response: httpx.Response) -> Outcome:
         scanner, trace, clock = EventScanner(self.keep_usage), self.trace, self.gateway.clock
@@ -318,8 +431,9 @@ class Exchange:
                 if events:
                     await self._send(send, events)
         except httpx.HTTPError as exc:
-            log.warning("stream of %s from %s broke: %r", self.alias, self.instance["instance_id"], exc)
-            await self._send(send, error_event(APIError(502, f"the instance's stream broke: {exc!r}", type="api_error",
+            log.warning("stream of %s from %s broke: %r", self.alias, self.slot.instance_id, exc)  # type: ignore[union-attr]
+            what = "went silent longer than the read timeout" if isinstance(exc, httpx.ReadTimeout) else "broke"
+            await self._send(send, error_event(APIError(502, f"the instance's stream {what}: {exc!r}", type="api_error",
                                                         code="stream_broken")), more=False)
             return Outcome.ENGINE_ERROR
         rest, chunks = scanner.flush()
@@ -329,25 +443,10 @@ class Exchange:
         await self._send(send, rest, more=False)
         return Outcome.OK
 
-    async def _relay_body(self, send: Send, response: httpx.Response) -> Outcome:
-        body: list[bytes] = []
-        try:
-            async for data in response.aiter_raw():
-                body.append(data)
-                await self._send(send, data)
-        except httpx.HTTPError as exc:
-            # Returning without ending the body makes the server close the connection:
-            # the client sees a broken answer rather than a truncated one that parses.
-            log.warning("answer of %s from %s broke: %r", self.alias, self.instance["instance_id"], exc)
-            return Outcome.ENGINE_ERROR
-        if response.status_code == 200:
-            self.usage = usage_of_body(b"".join(body))
-        await self._send(send, b"", more=False)
-        return outcome_of(response.status_code)
-
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        self.started = True
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [*headers, (REQUEST_ID_HEADER.encode(), self.request_id.encode())]})
+        self.status = status
 
     @staticmethod
     async def _send(send: Send, body: bytes, more: bool = True) -> None:
@@ -371,43 +470,56 @@ async def _client_gone(receive: Receive) -> None:
             return
 
 
+def model_cards(gateway: Gateway) -> list[ModelCard]:
+    """Every alias the gateway serves, with its routing state and, per backend, its engine and whether it is simulated."""
+    routing = gateway.view[ROUTING]
+    configs = {**gateway.configured, **{alias: row.get("config") for alias, row in routing.items()}}
+    cards = []
+    for alias, config in sorted(configs.items()):
+        backends = (config or {}).get("backends", {})
+        listed = {}
+        for name, cfg in backends.items():
+            engine = engine_label(EngineKind((cfg or {}).get("engine") or name), BackendType(name))
+            listed[name] = BackendCard(engine=engine, simulated=engine.startswith("simulated-"))
+        state = (routing.get(alias) or {}).get("state") or "COLD"
+        cards.append(ModelCard(
+            id=alias, engine=",".join(b.engine for b in listed.values()) or None,
+            simulated=any(b.simulated for b in listed.values()),
+            max_model_len=(backends.get("vllm") or {}).get("max_model_len"), routing_state=state, backends=listed,
+        ))
+    return cards
+
+
 def create_app(gateway: Gateway) -> Starlette:
     view = gateway.view
 
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok", "position": view.position, "gateway_id": gateway.gateway_id})
 
-    async def models(_: Request) -> Response:
-        cards = []
-        configs = {**gateway.configured, **{alias: row.get("config") for alias, row in view[ROUTING].items()}}
-        for alias, config in sorted(configs.items()):
-            backends = (config or {}).get("backends", {})
-            engines = [
-                engine_label(EngineKind((cfg or {}).get("engine") or name), BackendType(name)) for name, cfg in backends.items()
-            ]
-            cards.append(
-                ModelCard(
-                    id=alias, engine=",".join(engines) or None, simulated=any(e.startswith("simulated-") for e in engines),
-                    max_model_len=(backends.get("vllm") or {}).get("max_model_len"),
-                )
-            )
-        return JSONResponse(ModelList(data=cards).model_dump())
+    async def models(request: Request) -> Response:
+        try:
+            gateway.keys.check(request)
+        except APIError as exc:
+            return error_response(exc)
+        return JSONResponse(ModelList(data=model_cards(gateway)).model_dump(exclude_none=True))
 
     async def metrics(_: Request) -> Response:
-        return Response(gateway.metrics.render(gateway.meter), media_type="text/plain; version=0.0.4")
+        waiting = {alias: gateway.admission.waiting(alias) for alias in gateway.admission.queues}
+        return Response(gateway.metrics.render(gateway.meter, waiting), media_type="text/plain; version=0.0.4")
 
     async def chat(request: Request) -> Exchange | Response:
-        return await gateway.exchange(request, ChatCompletionRequest, "/v1/chat/completions")
+        return await gateway.exchange(request, CHAT)
 
     async def completions(request: Request) -> Exchange | Response:
-        return await gateway.exchange(request, CompletionRequest, "/v1/completions")
+        return await gateway.exchange(request, COMPLETIONS)
 
     return Starlette(
         routes=[
             Route("/health", health),
             Route("/metrics", metrics),
             Route("/v1/models", models),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-        ]
+            Route(CHAT, chat, methods=["POST"]),
+            Route(COMPLETIONS, completions, methods=["POST"]),
+        ],
+        exception_handlers={404: http_error, 405: http_error, Exception: unexpected_error},
     )

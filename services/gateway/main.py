@@ -17,10 +17,11 @@ GRACEFUL_SHUTDOWN_S = 10.0
 
 
 async def serve(ctx: ServiceContext, pool: PoolConfig | None = None) -> None:
+    pool = pool or PoolConfig()
     view = LiveView(ctx.store, ctx.engine, [ROUTING, INSTANCES])
     await view.load()
-    async with upstream_client() as client:
-        gateway = Gateway(ctx.settings, view, client, ctx.telemetry_bus, pool)
+    async with upstream_client(pool.gateway) as client:
+        gateway = Gateway(ctx.settings, view, client, ctx.telemetry_bus, pool, ctx.telemetry)
         await gateway.start()
         server = uvicorn.Server(
             uvicorn.Config(
@@ -47,7 +48,9 @@ def main(argv: list[str]) -> int:
     from shared.settings import Settings
 
     settings = Settings.load()
-    # The pool file, when there is one, names the aliases to hold requests for while the
-    # controller starts; a bad file fails fast, before connecting to anything.
-    pool = load_pool_config(settings.config_path) if settings.config_path else None
+    # The pool file names the aliases to hold requests for while the controller starts, and
+    # the gateway's limits and keys (with the environment over it); a bad file or key file
+    # fails fast, before connecting to anything.
+    pool = load_pool_config(settings.config_path)
+    pool.gateway.keys()
     return run_service("gateway", lambda ctx: serve(ctx, pool), settings)

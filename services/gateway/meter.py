@@ -114,12 +114,17 @@ class Outcome(str, Enum):
     UNREACHABLE = "unreachable"
     """No instance took the connection (one retry included)."""
     HOLD_EXPIRED = "hold_expired"
+    """Waited for a cold alias longer than its start budget (503)."""
+    QUEUE_FULL = "queue_full"
+    """The alias's queue was full (429)."""
+    QUEUE_TIMEOUT = "queue_timeout"
+    """Waited for a slot on a running instance longer than the queue timeout (408)."""
     GATEWAY_ERROR = "gateway_error"
     LEFT = "client_left"
 
 
 ENGINE_FAILURES = (Outcome.ENGINE_ERROR, Outcome.UNREACHABLE)
-GATEWAY_FAILURES = (Outcome.HOLD_EXPIRED, Outcome.GATEWAY_ERROR)
+GATEWAY_FAILURES = (Outcome.HOLD_EXPIRED, Outcome.QUEUE_FULL, Outcome.QUEUE_TIMEOUT, Outcome.GATEWAY_ERROR)
 
 
 def outcome_of(status: int) -> Outcome:
@@ -133,20 +138,25 @@ def outcome_of(status: int) -> Outcome:
 class RequestTrace:
     """One request's moments, recorded into its alias's meter as they happen."""
 
-    __slots__ = ("meter", "clock", "arrived", "backend", "last_content", "content_chunks")
+    __slots__ = ("meter", "clock", "arrived", "backend", "dispatched_at", "first_content", "last_content", "content_chunks",
+                 "ended")
 
     def __init__(self, meter: AliasMeter, clock: Callable[[], float]) -> None:
         self.meter = meter
         self.clock = clock
         self.arrived = clock()
         self.backend: BackendType | None = None
+        self.dispatched_at: float | None = None
+        self.first_content: float | None = None
         self.last_content: float | None = None
         self.content_chunks = 0
+        self.ended = self.arrived
         meter.arrivals += 1
 
     def dispatched(self, backend: BackendType) -> None:
         self.backend = backend
-        self.meter.queue_wait.record(self.clock() - self.arrived)
+        self.dispatched_at = self.clock()
+        self.meter.queue_wait.record(self.dispatched_at - self.arrived)
         self.meter.add_inflight(backend, 1)
 
     def refused(self, backend: BackendType) -> None:
@@ -161,6 +171,7 @@ class RequestTrace:
         evenly: that is the gap a reader of the stream sees per token.
         """
         if self.last_content is None:
+            self.first_content = now
             self.meter.ttft.record(now - self.arrived)
         else:
             gap = (now - self.last_content) / chunks
@@ -173,6 +184,7 @@ class RequestTrace:
     def finished(self, outcome: Outcome, usage: tuple[int, int] | None) -> None:
         """`usage` is (prompt tokens, completion tokens) when the engine said; else content chunks count as decode tokens."""
         meter, backend = self.meter, self.backend
+        self.ended = self.clock()
         if outcome in GATEWAY_FAILURES:
             meter.errors_gateway += 1
         if backend is None:
@@ -182,12 +194,23 @@ class RequestTrace:
         if outcome in ENGINE_FAILURES:
             meter.errors[backend] += 1
         elif outcome is Outcome.OK:
-            meter.e2e[backend].record(self.clock() - self.arrived)
+            meter.e2e[backend].record(self.ended - self.arrived)
         if usage is not None:
             meter.prefill_tokens += usage[0]
             meter.decode_tokens += usage[1]
         else:
             meter.decode_tokens += self.content_chunks
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_content is None else self.first_content - self.arrived
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time between content chunks after the first, as a reader of the stream saw them."""
+        if self.first_content is None or self.last_content is None or self.content_chunks < 2:
+            return None
+        return (self.last_content - self.first_content) / (self.content_chunks - 1)
 
 
 class Meter:

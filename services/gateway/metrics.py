@@ -1,12 +1,19 @@
-"""The gateway's Prometheus `/metrics`: request outcomes, cold-start waits, demand signals, current load."""
+"""The gateway's Prometheus `/metrics`, named as vLLM names its own (`modelpool:` where vLLM says `vllm:`).
+
+Requests by alias, backend and outcome; how long requests waited for a slot and
+how the wait ended; time to first token, end to end and per output token by
+backend; retries; cold starts; demand signals; and the queue and the load right now.
+"""
 
 from __future__ import annotations
 
 from services.gateway.meter import FAST, SLOW, Meter
 from shared.prometheus import Histogram, family
 
-COLD_START_WAIT_BOUNDS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300)
-"""From a wake from sleep (tenths of a second) to a vLLM cold start (a minute or two)."""
+WAIT_BOUNDS_S = (0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300)
+"""From a slot freeing on a busy instance (milliseconds) to a vLLM cold start (a minute or two)."""
+LATENCY_BOUNDS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 320, 640)
+TOKEN_BOUNDS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5)
 
 
 def _label(value: str) -> str:
@@ -20,41 +27,86 @@ def _labels(**labels: str) -> str:
 class GatewayMetrics:
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str, str], int] = {}
-        self.cold_start_wait: dict[tuple[str, str], Histogram] = {}
+        self.waits: dict[tuple[str, str], Histogram] = {}
+        self.ttft: dict[tuple[str, str], Histogram] = {}
+        self.e2e: dict[tuple[str, str], Histogram] = {}
+        self.tpot: dict[tuple[str, str], Histogram] = {}
+        self.retries: dict[tuple[str, str, str], int] = {}
+        self.cold_starts: dict[str, int] = {}
         self.demand_signals: dict[str, int] = {}
 
     def request(self, alias: str, backend: str, outcome: str) -> None:
         key = (alias, backend, outcome)
         self.requests[key] = self.requests.get(key, 0) + 1
 
-    def held(self, alias: str, outcome: str, seconds: float) -> None:
-        histogram = self.cold_start_wait.get((alias, outcome))
-        if histogram is None:
-            histogram = self.cold_start_wait[(alias, outcome)] = Histogram(COLD_START_WAIT_BOUNDS_S)
-        histogram.observe(seconds)
+    def served(self, alias: str, backend: str, ttft_s: float | None, e2e_s: float, tpot_s: float | None) -> None:
+        """A request answered in full by `backend`."""
+        key = (alias, backend)
+        if ttft_s is not None:
+            _observe(self.ttft, key, LATENCY_BOUNDS_S, ttft_s)
+        _observe(self.e2e, key, LATENCY_BOUNDS_S, e2e_s)
+        if tpot_s is not None:
+            _observe(self.tpot, key, TOKEN_BOUNDS_S, tpot_s)
+
+    def waited(self, alias: str, outcome: str, seconds: float) -> None:
+        _observe(self.waits, (alias, outcome), WAIT_BOUNDS_S, seconds)
+
+    def retried(self, alias: str, backend: str, reason: str) -> None:
+        key = (alias, backend, reason)
+        self.retries[key] = self.retries.get(key, 0) + 1
+
+    def cold_start(self, alias: str) -> None:
+        self.cold_starts[alias] = self.cold_starts.get(alias, 0) + 1
 
     def demand_signalled(self, alias: str) -> None:
         self.demand_signals[alias] = self.demand_signals.get(alias, 0) + 1
 
-    def render(self, meter: Meter) -> str:
+    def render(self, meter: Meter, waiting: dict[str, int]) -> str:
         out: list[str] = []
-        family(out, "modelpool_gateway_requests_total", "counter",
+        family(out, "modelpool:requests_total", "counter",
                "Requests by alias, backend that answered (none: the gateway) and outcome.")
         for (alias, backend, outcome), n in sorted(self.requests.items()):
-            out.append(f"modelpool_gateway_requests_total{{{_labels(alias=alias, backend=backend, outcome=outcome)}}} {n}")
-        family(out, "modelpool_gateway_cold_start_wait_seconds", "histogram",
-               "How long requests were held for an alias with no routable instance, by how the hold ended.")
-        for (alias, outcome), histogram in sorted(self.cold_start_wait.items()):
-            out.extend(histogram.lines("modelpool_gateway_cold_start_wait_seconds", _labels(alias=alias, outcome=outcome)))
-        family(out, "modelpool_gateway_demand_signals_total", "counter", "Demand signals sent for held requests.")
+            out.append(f"modelpool:requests_total{{{_labels(alias=alias, backend=backend, outcome=outcome)}}} {n}")
+        _histograms(out, "modelpool:request_queue_time_seconds", self.waits, ("alias", "outcome"),
+                    "How long requests waited in the gateway for a slot, by how the wait ended.")
+        _histograms(out, "modelpool:time_to_first_token_seconds", self.ttft, ("alias", "backend"),
+                    "From arrival at the gateway to the first content of a streamed answer.")
+        _histograms(out, "modelpool:e2e_request_latency_seconds", self.e2e, ("alias", "backend"),
+                    "From arrival at the gateway to the end of a successful answer.")
+        _histograms(out, "modelpool:request_time_per_output_token_seconds", self.tpot, ("alias", "backend"),
+                    "Mean time between content chunks of a streamed answer.")
+        family(out, "modelpool:retries_total", "counter",
+               "Requests sent again to another instance of the same backend before any byte was relayed.")
+        for (alias, backend, reason), n in sorted(self.retries.items()):
+            out.append(f"modelpool:retries_total{{{_labels(alias=alias, backend=backend, reason=reason)}}} {n}")
+        family(out, "modelpool:cold_starts_total", "counter",
+               "Times requests waited for an alias with nothing routable and were then given an instance.")
+        for alias, n in sorted(self.cold_starts.items()):
+            out.append(f"modelpool:cold_starts_total{{{_labels(alias=alias)}}} {n}")
+        family(out, "modelpool:demand_signals_total", "counter", "Demand signals sent for requests waiting on a cold alias.")
         for alias, n in sorted(self.demand_signals.items()):
-            out.append(f"modelpool_gateway_demand_signals_total{{{_labels(alias=alias)}}} {n}")
-        family(out, "modelpool_gateway_held_requests", "gauge", "Requests held right now, waiting for an instance.")
-        for alias, m in sorted(meter.aliases.items()):
-            out.append(f"modelpool_gateway_held_requests{{{_labels(alias=alias)}}} {m.held}")
-        family(out, "modelpool_gateway_inflight_requests", "gauge", "Requests on instances right now, by backend.")
+            out.append(f"modelpool:demand_signals_total{{{_labels(alias=alias)}}} {n}")
+        family(out, "modelpool:num_requests_waiting", "gauge", "Requests waiting in the gateway for a slot right now.")
+        for alias in sorted({*meter.aliases, *waiting}):
+            out.append(f"modelpool:num_requests_waiting{{{_labels(alias=alias)}}} {waiting.get(alias, 0)}")
+        family(out, "modelpool:num_requests_running", "gauge", "Requests on instances right now, by backend.")
         for alias, m in sorted(meter.aliases.items()):
             for backend in (FAST, SLOW):
-                out.append(f"modelpool_gateway_inflight_requests{{{_labels(alias=alias, backend=backend.value)}}} "
+                out.append(f"modelpool:num_requests_running{{{_labels(alias=alias, backend=backend.value)}}} "
                            f"{m.inflight[backend]}")
         return "\n".join(out) + "\n"
+
+
+def _observe(histograms: dict[tuple[str, str], Histogram], key: tuple[str, str], bounds: tuple[float, ...],
+             value: float) -> None:
+    histogram = histograms.get(key)
+    if histogram is None:
+        histogram = histograms[key] = Histogram(bounds)
+    histogram.observe(value)
+
+
+def _histograms(out: list[str], name: str, histograms: dict[tuple[str, str], Histogram], label_names: tuple[str, str],
+                help_text: str) -> None:
+    family(out, name, "histogram", help_text)
+    for key, histogram in sorted(histograms.items()):
+        out.extend(histogram.lines(name, _labels(**dict(zip(label_names, key)))))

@@ -35,18 +35,30 @@ def backend_order(state: str, mix_weight: float, draw: float) -> tuple[BackendTy
 
 
 @dataclass(frozen=True, slots=True)
-class Choice:
+class Slot:
+    """One request's place on an instance: taken from the router's count, given back with `Router.release`."""
+
     backend: BackendType
-    instances: tuple[dict[str, Any], ...]
-    """Routable instances of the backend, the one to try first first: fewest requests in flight from this gateway."""
+    instance: dict[str, Any]
+
+    @property
+    def instance_id(self) -> str:
+        return self.instance["instance_id"]
+
+
+def _has_room(row: dict[str, Any], inflight: int) -> bool:
+    capacity = row.get("capacity")
+    return not capacity or inflight < capacity  # an instance that has not said its capacity takes what comes
 
 
 class Router:
     """Picks instances from the live view and counts what this gateway has in flight on each.
 
-    The count is the gateway's own: engines report load as telemetry now, and the
-    read model's `inflight` column is no longer fed. With several replicas each
-    balances its own share, which evens out the total.
+    An instance takes at most its reported capacity of this gateway's requests at
+    once (`take` answers None when every instance the routing state allows is
+    full; admission queues the request). The count is the gateway's own: with
+    several replicas each balances its own share, which evens out the total, and
+    each may fill an instance to its capacity, the engine queueing the excess.
     """
 
     def __init__(self, view: LiveView, rng: random.Random, configured: frozenset[str] = frozenset()) -> None:
@@ -72,29 +84,43 @@ class Router:
     def known(self, alias: str) -> bool:
         return alias in self.view[ROUTING] or alias in self.configured
 
-    def _state(self, alias: str) -> tuple[str, float]:
+    def state(self, alias: str) -> tuple[str, float]:
         routing = self.view[ROUTING].get(alias)
         return ("COLD", 0.0) if routing is None else (routing["state"], routing["mix_weight"])
 
-    def choose(self, alias: str) -> Choice | None:
-        """Where one request goes; None when no backend it may use has a routable instance."""
-        for backend in backend_order(*self._state(alias), self.rng.random()):
-            candidates = self._instances(alias, backend)
-            if candidates:
-                # Ties broken at random, so replicas that each count only their own
-                # requests do not all pile onto the same instance.
-                ranked = sorted(candidates, key=lambda row: (self.inflight.get(row["instance_id"], 0), self.rng.random()))
-                return Choice(backend, tuple(ranked))
+    def take(self, alias: str) -> Slot | None:
+        """A slot for one request of `alias`, or None when no instance it may use has room."""
+        for backend in backend_order(*self.state(alias), self.rng.random()):
+            slot = self.take_in(alias, backend)
+            if slot is not None:
+                return slot
         return None
 
+    def take_in(self, alias: str, backend: BackendType, exclude: frozenset[str] = frozenset()) -> Slot | None:
+        """A slot on the instance of `backend` with the fewest requests in flight from here, if one has room."""
+        best, best_key = None, None
+        for row in self._instances(alias, backend):
+            instance_id = row["instance_id"]
+            inflight = self.inflight.get(instance_id, 0)
+            if instance_id in exclude or not _has_room(row, inflight):
+                continue
+            # Ties broken at random, so replicas that each count only their own
+            # requests do not all pile onto the same instance.
+            key = (inflight, self.rng.random())
+            if best_key is None or key < best_key:
+                best, best_key = row, key
+        if best is None:
+            return None
+        self.inflight[best["instance_id"]] = self.inflight.get(best["instance_id"], 0) + 1
+        return Slot(backend, best)
+
     def routable(self, alias: str) -> bool:
+        """Whether any instance the routing state allows is running, full or not."""
         # A draw of 0 lists every backend the state allows (MIXED lists both whatever the weight).
-        return any(self._instances(alias, b) for b in backend_order(*self._state(alias), 0.0))
+        return any(self._instances(alias, b) for b in backend_order(*self.state(alias), 0.0))
 
-    def acquire(self, instance_id: str) -> None:
-        self.inflight[instance_id] = self.inflight.get(instance_id, 0) + 1
-
-    def release(self, instance_id: str) -> None:
+    def release(self, slot: Slot) -> None:
+        instance_id = slot.instance_id
         left = self.inflight[instance_id] - 1
         if left:
             self.inflight[instance_id] = left

@@ -71,7 +71,8 @@ async def serve(ctx: ServiceContext) -> None:
     worker = Worker(
         worker_id=worker_id,
         store=ctx.store,
-        launcher=EngineLauncher(EngineOptions(log_dir=log_dir, sim_speedup=settings.worker_sim_speedup)),
+        launcher=EngineLauncher(EngineOptions(log_dir=log_dir, host=settings.worker_host,
+                                              sim_speedup=settings.worker_sim_speedup)),
         telemetry=ctx.telemetry,
         gpu_memory_gb=settings.worker_gpu_memory_gb,
         slots=settings.worker_slots,

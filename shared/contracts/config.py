@@ -4,6 +4,8 @@ A pool file is YAML:
 
     policy:                  # optional; any of the HYBRID_* / LLAMA_* / VLLM_* keys
       HYBRID_ALPHA: 0.7
+    gateway:                 # optional; the public endpoint's limits and keys (GatewayConfig)
+      queue_size: 256
     aliases:
       - alias: qwen3-vl-2b
         backends:
@@ -173,10 +175,74 @@ class PolicySettings(BaseModel):
         return self
 
 
+GATEWAY_ENVIRONMENT = {
+    "queue_size": "MODELPOOL_QUEUE_SIZE",
+    "queue_timeout_s": "MODELPOOL_QUEUE_TIMEOUT_S",
+    "max_body_bytes": "MODELPOOL_MAX_BODY_BYTES",
+    "connect_timeout_s": "MODELPOOL_UPSTREAM_CONNECT_TIMEOUT_S",
+    "read_timeout_s": "MODELPOOL_UPSTREAM_READ_TIMEOUT_S",
+    "api_keys": "MODELPOOL_API_KEYS",
+    "api_keys_file": "MODELPOOL_API_KEYS_FILE",
+}
+
+
+class GatewayConfig(BaseModel):
+    """The public endpoint's admission limits, timeouts and keys (the pool file's `gateway:` section).
+
+    Each field is also read from its environment variable (`GATEWAY_ENVIRONMENT`),
+    which wins over the file; `MODELPOOL_API_KEYS` is comma-separated.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    queue_size: int = Field(default=256, ge=0)
+    """Requests of one alias that may wait for an instance; one more is refused with 429 (seed 003's 256)."""
+    queue_timeout_s: float = Field(default=60.0, gt=0)
+    """Longest a request waits for a free slot of a running instance before a 408 (seed 003's 60 s)."""
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
+    """A larger request body is refused with 413 before it is read whole (images travel inline)."""
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    """An instance that does not accept a connection this fast is treated like one that refused it."""
+    read_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest silence from an engine while it answers: between two chunks of a stream, or before a whole answer."""
+    api_keys: tuple[str, ...] = ()
+    """Keys the public endpoint accepts as `Authorization: Bearer <key>`; none: the endpoint is open."""
+    api_keys_file: str | None = None
+    """A file of further keys, one per line (`#` starts a comment)."""
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _plain_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        for key in keys:
+            if not key or any(c.isspace() for c in key):
+                raise ValueError("a key must be non-empty and without whitespace")
+        return keys
+
+    def keys(self) -> frozenset[str]:
+        """Every accepted key: the listed ones and the file's (read now, so a changed file is read at start)."""
+        keys = set(self.api_keys)
+        if self.api_keys_file:
+            try:
+                lines = Path(self.api_keys_file).read_text().splitlines()
+            except OSError as exc:
+                raise ConfigError("gateway.api_keys_file", f"cannot read {self.api_keys_file}: {exc.strerror}") from exc
+            keys.update(line.split("#", 1)[0].strip() for line in lines)
+            keys.discard("")
+        return frozenset(keys)
+
+
 class PoolConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     policy: PolicySettings = PolicySettings()
+    gateway: GatewayConfig = GatewayConfig()
     aliases: list[AliasConfig] = Field(default_factory=list)
 
     @field_validator("aliases")
@@ -217,6 +283,13 @@ def load_policy_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: environ[name] for name in PolicySettings.model_fields if name in environ}
 
 
+def _layered(section: Any, later: dict[str, Any]) -> Any:
+    """A file's section with later layers over it; a section that is not a mapping is left for validation to name."""
+    if section is None:
+        return later
+    return {**section, **later} if isinstance(section, dict) else section
+
+
 def load_pool_config(
     path: str | Path | None = None,
     *,
@@ -239,12 +312,18 @@ def load_pool_config(
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError("<root>", "must be a mapping with `aliases` (and optionally `policy`)", source)
+            raise ConfigError("<root>", "must be a mapping with `aliases` (and optionally `policy` and `gateway`)", source)
         data = loaded
-    policy = {**(data.get("policy") or {}), **load_policy_env(environ), **dict(overrides or {})}
+    policy = _layered(data.get("policy"), {**load_policy_env(environ), **dict(overrides or {})})
+    gateway_env = {name: environ[var] for name, var in GATEWAY_ENVIRONMENT.items() if environ.get(var)}
+    gateway = _layered(data.get("gateway"), gateway_env)
     try:
-        return PoolConfig.model_validate({**data, "policy": policy})
+        return PoolConfig.model_validate({**data, "policy": policy, "gateway": gateway})
     except ValidationError as exc:
-        first = exc.errors()[0]
-        from_env = first["loc"] and first["loc"][0] == "policy" and len(first["loc"]) > 1 and first["loc"][1] in environ
-        raise _first_error(exc, "the environment" if from_env else source) from None
+        loc = exc.errors()[0]["loc"]
+        section, name = (loc[0], loc[1]) if len(loc) > 1 else (None, None)
+        if section == "policy" and name in environ:
+            raise _first_error(exc, "the environment") from None
+        if section == "gateway" and name in gateway_env:
+            raise _first_error(exc, f"environment variable {GATEWAY_ENVIRONMENT[name]}") from None
+        raise _first_error(exc, source) from None

@@ -111,19 +111,22 @@ class Facts:
         self.routing[alias] = (state, weight)
 
     async def instance(self, instance_id: str, backend: BackendType, *states: InstanceState, endpoint: str | None = None,
-                       alias: str = ALIAS, at=None) -> None:
-        """Walk an instance through `states` (from ABSENT, or where it was); `at` gives each event's time."""
+                       alias: str = ALIAS, at=None, capacity: int | None = None) -> None:
+        """Walk an instance through `states` (from ABSENT, or where it was); `at` gives each event's time;
+        `capacity`: the concurrent requests its engine reported."""
         for i, state in enumerate(states):
             current = self.instances.get(instance_id, InstanceState.ABSENT)
             event = InstanceStateChanged(
                 instance_id=instance_id, alias=alias, backend_type=backend, engine=EngineKind.SIMULATOR, worker_id="w1",
-                from_state=current, to_state=state, reason="test", endpoint=endpoint,
+                from_state=current, to_state=state, reason="test", endpoint=endpoint, capacity=capacity,
                 sleep_level={InstanceState.SLEEP_1: 1, InstanceState.SLEEP_2: 2}.get(state, 0))
             await self.store.append(f"instance:{instance_id}", [Envelope.wrap(event, occurred_at=at[i] if at else None)])
             self.instances[instance_id] = state
 
-    async def running(self, instance_id: str, engine: EngineProcess, backend: BackendType, alias: str = ALIAS) -> None:
-        await self.instance(instance_id, backend, InstanceState.STARTING, InstanceState.RUNNING, endpoint=engine.url, alias=alias)
+    async def running(self, instance_id: str, engine: EngineProcess, backend: BackendType, alias: str = ALIAS,
+                      capacity: int | None = None) -> None:
+        await self.instance(instance_id, backend, InstanceState.STARTING, InstanceState.RUNNING, endpoint=engine.url, alias=alias,
+                            capacity=capacity)
 
 
 # --------------------------------------------------------------------------- gateways

@@ -89,9 +89,9 @@ async def test_held_requests_are_answered_once_an_instance_runs(engines, facts, 
     await asyncio.sleep(1.3)
     assert len(demand) == signals  # nothing held, nothing asked for
     text = await gateway.metrics()
-    assert metric(text, "modelpool_gateway_cold_start_wait_seconds_count", alias=ALIAS, outcome="served") == 2
-    assert metric(text, "modelpool_gateway_held_requests", alias=ALIAS) == 0
-    assert metric(text, "modelpool_gateway_requests_total", alias=ALIAS, backend="llama.cpp", outcome="ok") == 2
+    assert metric(text, "modelpool:request_queue_time_seconds_count", alias=ALIAS, outcome="served") == 2
+    assert metric(text, "modelpool:num_requests_waiting", alias=ALIAS) == 0
+    assert metric(text, "modelpool:requests_total", alias=ALIAS, backend="llama.cpp", outcome="ok") == 2
     windows = await gateway.ctx.telemetry_bus.read_windows(began, alias=ALIAS)
     assert max(w.held for w in windows) == 2 and max(w.queue_len for w in windows) > 1
     assert sum(w.requests_fast for w in windows) == 2 and sum(w.errors_gateway for w in windows) == 0
@@ -138,8 +138,8 @@ async def test_an_expired_hold_is_a_503_with_retry_after_or_an_error_event_in_th
     assert sum(w.errors_gateway for w in windows) == 2 and sum(w.arrivals for w in windows) == 2
     assert sum(w.requests_fast + w.requests_slow for w in windows) == 0
     text = await gateway.metrics()
-    assert metric(text, "modelpool_gateway_cold_start_wait_seconds_count", alias=ALIAS, outcome="expired") == 2
-    assert metric(text, "modelpool_gateway_requests_total", alias=ALIAS, backend="none", outcome="hold_expired") == 2
+    assert metric(text, "modelpool:request_queue_time_seconds_count", alias=ALIAS, outcome="expired") == 2
+    assert metric(text, "modelpool:requests_total", alias=ALIAS, backend="none", outcome="hold_expired") == 2
 
 
 async def test_the_hold_is_bounded_by_the_alias_measured_start_time(facts, gateways):
@@ -173,15 +173,15 @@ async def test_a_client_that_leaves_while_held_is_let_go(facts, gateways):
 
     async def released() -> bool:
         text = await gateway.metrics()
-        return metric(text, "modelpool_gateway_held_requests", alias=ALIAS) == 0 and \
-            metric(text, "modelpool_gateway_cold_start_wait_seconds_count", alias=ALIAS, outcome="left") == 2
+        return metric(text, "modelpool:num_requests_waiting", alias=ALIAS) == 0 and \
+            metric(text, "modelpool:request_queue_time_seconds_count", alias=ALIAS, outcome="left") == 2
 
     await eventually(released, timeout=3)
     signals = len(demand)
     await asyncio.sleep(1.3)
     assert len(demand) == signals
     text = await gateway.metrics()
-    assert re.search(r'modelpool_gateway_requests_total\{alias="tiny",backend="none",outcome="client_left"\} 2', text)
+    assert re.search(r'modelpool:requests_total\{alias="tiny",backend="none",outcome="client_left"\} 2', text)
 
 
 async def test_the_openai_sdk_waits_through_a_hold(engines, facts, gateways):

@@ -81,3 +81,11 @@ def test_the_dockerfile_builds_one_image_with_the_modelpool_command() -> None:
     for path in ("shared", "services", "migrations", "alembic.ini", "pyproject.toml"):
         assert re.search(rf"^COPY .*\b{re.escape(path)}\b", dockerfile, re.MULTILINE), f"{path} not copied into the image"
         assert (REPO / path).exists()
+
+
+def test_only_the_gateway_is_published_and_engines_listen_on_the_worker_address(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    published = sorted(name for name, service in services.items() if service.get("ports"))
+    assert published == ["gateway"]
+    worker = services["worker"]["environment"]
+    assert worker["MODELPOOL_WORKER_HOST"] not in ("0.0.0.0", "::", "")

@@ -1,0 +1,132 @@
+"""What the public endpoint checks before a request reaches admission: its key, its size, its shape.
+
+The gateway reads only what it needs to route (`model`, `stream`,
+`stream_options`) and that the body is a request at all (`messages` or
+`prompt`); every other field passes through as the client sent it, so `n`,
+`tools`, `response_format`, `logprobs`, image parts and vendor extras reach the
+engine, which accepts them or answers its own 400. Every refusal is an OpenAI
+error body with its status.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from shared.openai_protocol import APIError, bad_request, internal_error
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, type="invalid_request_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": 'Bearer realm="modelpool"'})
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"request body exceeds the gateway's limit of {limit} bytes", type="invalid_request_error",
+                    code="request_too_large")
+
+
+class Keys:
+    """The API keys the public endpoint accepts; none configured: the endpoint is open."""
+
+    def __init__(self, keys: frozenset[str]) -> None:
+        self._keys = tuple(key.encode() for key in keys)
+
+    @property
+    def required(self) -> bool:
+        return bool(self._keys)
+
+    def check(self, request: Request) -> None:
+        """Raise 401 unless the request carries an accepted key (compared in constant time)."""
+        if not self._keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise unauthorized("missing API key: send `Authorization: Bearer <key>`")
+        given = token.strip().encode()
+        # Every key is compared, so the time taken does not tell which one came close.
+        if not any([hmac.compare_digest(given, key) for key in self._keys]):
+            raise unauthorized("invalid API key")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused with 413 as soon as it is known to exceed `limit` (before it is read whole)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """What the gateway reads of a request body; the rest goes to the engine untouched."""
+
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(raw: bytes, path: str) -> Routed:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise bad_request("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("`model` is required: the name of a model listed at /v1/models", param="model")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("`stream` must be true or false", param="stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("`stream_options` must be an object", param="stream_options")
+        if not stream:
+            raise bad_request("`stream_options` is only allowed when `stream` is true", param="stream_options")
+    if path == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise bad_request("`messages` must be a non-empty list of message objects", param="messages")
+    elif body.get("prompt") is None:
+        raise bad_request("`prompt` is required", param="prompt")
+    return Routed(body, model, bool(stream), bool(options and options.get("include_usage") is True))
+
+
+async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own refusals (no such path, wrong method) in the OpenAI shape."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        error = APIError(404, "no such endpoint; the API is at /v1 (chat/completions, completions, models)",
+                         type="invalid_request_error", code="not_found")
+    elif exc.status_code == 405:
+        error = APIError(405, f"method not allowed here: {exc.detail}", type="invalid_request_error",
+                         code="method_not_allowed", headers=dict(exc.headers or {}))
+    else:
+        error = APIError(exc.status_code, str(exc.detail), type="invalid_request_error")
+    return error_response(error)
+
+
+async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(internal_error(f"gateway failure: {exc!r}"))

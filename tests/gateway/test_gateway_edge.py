@@ -1,0 +1,142 @@
+"""The public edge: API keys, the size limit, OpenAI-shaped refusals, no way through to engine control paths."""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit
+
+import httpx
+import openai
+import pytest
+from gateway_support import ALIAS, FAST, SLOW
+from test_gateway_admission import pool
+from test_gateway_holds import CHAT
+
+from shared.contracts.states import RoutingState as R
+
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+async def serving(engines, facts) -> None:
+    await facts.alias()
+    await facts.running("f1", engines[FAST][0], FAST)
+    await facts.running("v1", engines[SLOW][0], SLOW)
+    await facts.route(R.FAST_ONLY)
+
+
+async def test_api_keys_from_the_pool_file_and_a_key_file_guard_the_api_and_nothing_else(engines, facts, gateways, tmp_path):
+    await serving(engines, facts)
+    key_file = tmp_path / "keys"
+    key_file.write_text("# operators\nk-file   # the on-call key\n\n")
+    gateway = await gateways.start(pool(api_keys="k-listed", api_keys_file=str(key_file)))
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k-listed"},
+                        {"authorization": "Bearer"}):
+            refused = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
+            assert refused.status_code == 401, headers
+            assert set(refused.json()["error"]) == ERROR_KEYS and refused.json()["error"]["code"] == "invalid_api_key"
+            assert refused.headers["www-authenticate"].startswith("Bearer")
+        assert (await client.get("/v1/models")).status_code == 401
+        for key in ("k-listed", "k-file"):
+            served = await client.post("/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {key}"})
+            assert served.status_code == 200, served.text
+        assert (await client.get("/v1/models", headers={"authorization": "Bearer k-file"})).status_code == 200
+        assert (await client.get("/health")).status_code == 200 and (await client.get("/metrics")).status_code == 200
+
+    sdk = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="wrong", max_retries=0)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            await sdk.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    finally:
+        await sdk.close()
+
+
+async def test_a_body_over_the_limit_is_a_413_whether_its_length_is_declared_or_not(engines, facts, gateways):
+    await serving(engines, facts)
+    gateway = await gateways.start(pool(max_body_bytes=2000))
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 3000}]}
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        declared = await client.post("/v1/chat/completions", json=big)
+
+        async def chunks():
+            for _ in range(10):
+                yield b" " * 500  # JSON allows leading whitespace: valid until the limit cuts it
+            yield httpx.Request("POST", "/", json=CHAT).read()
+        chunked = await client.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+        small = await client.post("/v1/chat/completions", json=CHAT)
+    for refused in (declared, chunked):
+        assert refused.status_code == 413
+        assert set(refused.json()["error"]) == ERROR_KEYS and refused.json()["error"]["code"] == "request_too_large"
+    assert small.status_code == 200
+
+
+async def test_refusals_are_openai_errors(engines, facts, gateways):
+    await serving(engines, facts)
+    gateway = await gateways.start()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        cases = {
+            "not json": await client.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}),
+            "not an object": await client.post("/v1/chat/completions", json=[1, 2]),
+            "no model": await client.post("/v1/chat/completions", json={"messages": CHAT["messages"]}),
+            "no messages": await client.post("/v1/chat/completions", json={"model": ALIAS}),
+            "no prompt": await client.post("/v1/completions", json={"model": ALIAS}),
+            "bad stream": await client.post("/v1/chat/completions", json={**CHAT, "stream": "yes"}),
+            "unknown model": await client.post("/v1/chat/completions", json={**CHAT, "model": "nope"}),
+            "no such path": await client.get("/v2/everything"),
+            "wrong method": await client.get("/v1/chat/completions"),
+        }
+    expected = {"not json": 400, "not an object": 400, "no model": 400, "no messages": 400, "no prompt": 400,
+                "bad stream": 400, "unknown model": 404, "no such path": 404, "wrong method": 405}
+    for name, response in cases.items():
+        assert response.status_code == expected[name], (name, response.text)
+        assert set(response.json()["error"]) == ERROR_KEYS, name
+    assert cases["no model"].json()["error"]["param"] == "model"
+    assert cases["bad stream"].json()["error"]["param"] == "stream"
+
+
+async def raw_request(url: str, method: str, target: str) -> int:
+    """Send `target` byte for byte (no client normalising `..` or `%2F`) and read the status."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    body = b"{}"
+    writer.write(f"{method} {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+    await writer.drain()
+    status_line = await reader.readline()
+    writer.close()
+    return int(status_line.split()[1])
+
+
+CONTROL_PATHS = ["/sleep", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/is_sleeping", "/slots", "/sim/status"]
+TRICKS = ["{p}", "/{p}", "/v1{p}", "/v1/..{p}", "/v1/chat/completions/../..{p}", "/./{p}", "/%2e%2e{p}",
+          "/v1%2F..{p}", "/v1/chat/completions%2F..%2F..{p}", "/v1/chat/completions/{p}", "/v1/completions/..%2F..{p}",
+          "/v1/models/..{p}", "/%2F{p}", "/v1/chat/completions?next={p}"]
+
+
+async def test_no_path_trick_reaches_an_engine_control_endpoint(engines, facts, gateways):
+    await serving(engines, facts)
+    gateway = await gateways.start()
+    reached = []
+    for path in CONTROL_PATHS:
+        for trick in TRICKS:
+            target = trick.format(p=path).replace("//", "/", 1) if trick.startswith("{p}") else trick.format(p=path)
+            for method in ("POST", "GET"):
+                status = await raw_request(gateway.url, method, target)
+                if status not in (400, 404, 405):
+                    reached.append((method, target, status))
+    assert not reached
+    async with httpx.AsyncClient(timeout=10) as client:  # and the vLLM engine behind it was never put to sleep
+        assert (await client.get(f"{engines[SLOW][0].url}/is_sleeping")).json()["is_sleeping"] is False
+
+
+async def test_models_lists_each_alias_with_its_routing_state_and_which_backends_are_simulated(engines, facts, gateways):
+    await serving(engines, facts)
+    gateway = await gateways.start()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        (card,) = (await client.get("/v1/models")).json()["data"]
+        served = await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "req-42"})
+        fresh = await client.post("/v1/chat/completions", json=CHAT)
+    assert card["id"] == ALIAS and card["routing_state"] == "FAST_ONLY" and card["simulated"] is True
+    assert card["backends"] == {"llama.cpp": {"engine": "simulated-llama.cpp", "simulated": True},
+                                "vllm": {"engine": "simulated-vllm", "simulated": True}}
+    assert served.headers["x-request-id"] == "req-42" and len(fresh.headers["x-request-id"]) == 32

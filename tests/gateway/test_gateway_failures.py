@@ -1,0 +1,131 @@
+"""Failures never hang a client: a retry only before the first byte, errors in the stream, 502, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+from gateway_support import ALIAS, FAST, SLOW, start_engine, wait_healthy
+from test_gateway_admission import LONG, engine_running, pool
+from test_gateway_holds import CHAT, metric
+
+from helpers import eventually
+from shared.contracts.states import InstanceState as I, RoutingState as R
+from shared.prometheus import parse_samples
+
+
+async def prompt_tokens(client: httpx.AsyncClient, url: str) -> float:
+    """Prefill tokens an engine has processed: more than 0 once any request reached it."""
+    text = (await client.get(f"{url}/metrics")).text
+    return next(s.value for s in parse_samples(text) if s.name == "vllm:prompt_tokens_total" or s.name == "vllm:prompt_tokens")
+
+
+def kill(engine) -> None:
+    os.killpg(engine.proc.pid, signal.SIGKILL)
+    engine.proc.wait()
+
+
+async def test_an_engine_503_is_retried_once_on_another_instance_of_the_same_backend_only(tmp_path, facts, gateways):
+    asleep, awake, other_tier = (start_engine(tmp_path, "vllm", ALIAS, "--speedup", "10") for _ in range(3))
+    try:
+        wait_healthy([asleep, awake, other_tier])
+        async with httpx.AsyncClient(timeout=30) as client:
+            assert (await client.post(f"{asleep.url}/sleep", params={"level": 1})).status_code == 200
+            await facts.alias()
+            # The log still says RUNNING (the worker has not reported the sleep yet): the engine answers 503.
+            await facts.running("v-asleep", asleep, SLOW)
+            await facts.running("v-awake", awake, SLOW)
+            await facts.route(R.VLLM_PRIMARY)
+            gateway = await gateways.start()
+            answers = [await client.post(f"{gateway.url}/v1/chat/completions", json=CHAT) for _ in range(12)]
+            assert [a.status_code for a in answers] == [200] * 12
+            assert {a.headers["x-modelpool-instance"] for a in answers} == {"v-awake"}
+            retried = metric(await gateway.metrics(), "modelpool:retries_total", alias=ALIAS, backend="vllm",
+                             reason="unavailable")
+            assert 1 <= retried <= 12
+
+            # Alone in its tier, the sleeping instance's 503 reaches the client: never sent to the other backend.
+            await facts.running("f-other", other_tier, FAST)
+            await facts.instance("v-awake", SLOW, I.DRAINING)
+            await gateway.caught_up()
+            refused = await client.post(f"{gateway.url}/v1/chat/completions", json=CHAT)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_sleeping"
+            assert refused.headers["x-modelpool-backend"] == "vllm"
+            assert await prompt_tokens(client, other_tier.url) == 0
+    finally:
+        for engine in (asleep, awake, other_tier):
+            engine.stop()
+
+
+async def test_an_engine_dying_mid_stream_is_an_error_event_the_sdk_raises_and_is_not_retried(tmp_path, facts, gateways):
+    dying, spare = (start_engine(tmp_path, "vllm", ALIAS, "--speedup", "1") for _ in range(2))
+    try:
+        wait_healthy([dying, spare])
+        await facts.alias()
+        await facts.running("v-dying", dying, SLOW)
+        await facts.route(R.VLLM_PRIMARY)
+        gateway = await gateways.start()
+        sdk = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+        received = []
+        try:
+            stream = await sdk.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "go"}],
+                                                       max_tokens=2000, stream=True, extra_body={"ignore_eos": True})
+            with pytest.raises(openai.APIError) as raised:
+                async for chunk in stream:
+                    received.append(chunk)
+                    if len(received) == 1:  # the stream is on v-dying; from now on a retry would have somewhere to go
+                        await facts.running("v-spare", spare, SLOW)
+                        await gateway.caught_up()
+                    if len(received) == 3:
+                        kill(dying)
+        finally:
+            await sdk.close()
+        assert len(received) >= 3 and "stream" in raised.value.message
+        async with httpx.AsyncClient(timeout=10) as client:
+            assert await prompt_tokens(client, spare.url) == 0
+        text = await gateway.metrics()
+        assert metric(text, "modelpool:retries_total", alias=ALIAS, backend="vllm", reason="refused") == 0
+        assert metric(text, "modelpool:requests_total", alias=ALIAS, backend="vllm", outcome="engine_error") == 1
+    finally:
+        spare.stop()
+        dying.stop()
+
+
+async def test_a_whole_answer_broken_midway_is_a_502_and_a_silent_engine_times_out(tmp_path, facts, gateways):
+    dying = start_engine(tmp_path, "vllm", ALIAS, "--speedup", "1")
+    try:
+        wait_healthy([dying])
+        await facts.alias()
+        await facts.running("v1", dying, SLOW)
+        await facts.route(R.VLLM_PRIMARY)
+        gateway = await gateways.start(pool(read_timeout_s=0.5))
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            # 1.2 s of generation before the engine sends a byte: past the read timeout.
+            silent = await client.post("/v1/chat/completions", json=LONG)
+            assert silent.status_code == 502 and silent.json()["error"]["code"] == "instance_failed"
+            assert "ReadTimeout" in silent.json()["error"]["message"]
+
+            async def stopped() -> bool:
+                return await engine_running(client, dying.url) == 0
+            await eventually(stopped, timeout=2)  # the gateway hung up, so the engine stopped
+
+            # A stream's chunks come faster than the timeout: served whole.
+            stream = await client.post("/v1/chat/completions", json={**LONG, "stream": True})
+            assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
+            assert '"error"' not in stream.text
+
+        gateway = await gateways.start()
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            whole = asyncio.create_task(client.post("/v1/chat/completions", json={**LONG, "max_tokens": 400}))
+            await asyncio.sleep(0.5)
+            kill(dying)
+            broken = await whole
+        assert broken.status_code == 502
+        error = broken.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "instance_failed"
+    finally:
+        dying.stop()
