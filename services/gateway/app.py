@@ -47,6 +47,7 @@ from services.gateway.edge import (
 )
 from services.gateway.meter import Meter, Outcome, RequestTrace, outcome_of
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openapi import openapi_document
 from services.gateway.routing import Router, Slot
 from services.gateway.sse import EventScanner, Usage, usage_of_body
 from services.gateway.starts import StartTimes
@@ -507,6 +508,9 @@ def create_app(gateway: Gateway) -> Starlette:
         waiting = {alias: gateway.admission.waiting(alias) for alias in gateway.admission.queues}
         return Response(gateway.metrics.render(gateway.meter, waiting), media_type="text/plain; version=0.0.4")
 
+    async def openapi(_: Request) -> Response:
+        return JSONResponse(openapi_document(sorted({*gateway.configured, *view[ROUTING]}), gateway.keys.required))
+
     async def chat(request: Request) -> Exchange | Response:
         return await gateway.exchange(request, CHAT)
 
@@ -518,6 +522,7 @@ def create_app(gateway: Gateway) -> Starlette:
             Route("/health", health),
             Route("/metrics", metrics),
             Route("/v1/models", models),
+            Route("/openapi.json", openapi),
             Route(CHAT, chat, methods=["POST"]),
             Route(COMPLETIONS, completions, methods=["POST"]),
         ],

@@ -188,6 +188,13 @@ class EngineAPI:
 
     # -- shared request path -------------------------------------------------------
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        for index, message in enumerate(body.messages):
+            for part in message.content if isinstance(message.content, list) else ():
+                if part.get("type") != "text":
+                    # A text-only model: an image dropped silently would get a confident answer about nothing.
+                    raise bad_request(f"this engine serves a text-only model; messages[{index}] has a "
+                                      f"`{part.get('type')}` part, and only `text` parts are supported",
+                                      param=f"messages[{index}].content", code="unsupported_content")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             text = self.template().render(messages)
