@@ -29,6 +29,9 @@ ENVIRONMENT = {
     "config_path": "MODELPOOL_CONFIG",
     "gateway_host": "MODELPOOL_GATEWAY_HOST",
     "gateway_port": "MODELPOOL_GATEWAY_PORT",
+    "admin_host": "MODELPOOL_ADMIN_HOST",
+    "admin_port": "MODELPOOL_ADMIN_PORT",
+    "admin_token": "MODELPOOL_ADMIN_TOKEN",
     "worker_id": "MODELPOOL_WORKER_ID",
     "worker_host": "MODELPOOL_WORKER_HOST",
     "worker_gpu_memory_gb": "MODELPOOL_WORKER_GPU_MEMORY_GB",
@@ -57,6 +60,10 @@ class Settings(BaseModel):
     config_path: str | None = None
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(default=8000, ge=0, le=65535)
+    admin_host: str = "127.0.0.1"
+    admin_port: int = Field(default=8001, ge=0, le=65535)
+    admin_token: str | None = Field(default=None, min_length=16)
+    """The gateway's admin API (its own port) is served only when a token is set; 16 characters at least."""
     worker_id: str | None = None
     worker_host: str = "127.0.0.1"
     """The address this worker's engines listen on and are reached at: loopback, or the worker's own

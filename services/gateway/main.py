@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 
 import uvicorn
+from starlette.applications import Starlette
 
+from services.gateway.admin import create_admin_app
 from services.gateway.app import Gateway, create_app, upstream_client
 from services.runtime import ServiceContext, run_service
 from shared.contracts.config import PoolConfig, load_pool_config
@@ -23,25 +25,33 @@ async def serve(ctx: ServiceContext, pool: PoolConfig | None = None) -> None:
     async with upstream_client(pool.gateway) as client:
         gateway = Gateway(ctx.settings, view, client, ctx.telemetry_bus, pool, ctx.telemetry)
         await gateway.start()
-        server = uvicorn.Server(
-            uvicorn.Config(
-                create_app(gateway), host=ctx.settings.gateway_host, port=ctx.settings.gateway_port,
-                log_level="warning", access_log=False, lifespan="off",
-                # Held requests and long streams would otherwise keep a stopping gateway up for minutes.
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            )
-        )
-        # The service's own signal handling decides when to stop; uvicorn only serves.
-        server.capture_signals = contextlib.nullcontext
-
-        async def stop_server() -> None:
-            await ctx.stop.wait()
-            server.should_exit = True
-
-        print(f"gateway {gateway.gateway_id} listening on http://{ctx.settings.gateway_host}:{ctx.settings.gateway_port}/v1",
+        settings = ctx.settings
+        servers = [http_server(create_app(gateway), settings.gateway_host, settings.gateway_port)]
+        print(f"gateway {gateway.gateway_id} listening on http://{settings.gateway_host}:{settings.gateway_port}/v1",
               flush=True)
-        await asyncio.gather(server.serve(), view.follow(ctx.nc, ctx.subjects, ctx.stop),
-                             gateway.publish_windows(ctx.stop), stop_server())
+        if settings.admin_token:
+            servers.append(http_server(create_admin_app(ctx, view, settings.admin_token), settings.admin_host,
+                                       settings.admin_port))
+            print(f"admin API on http://{settings.admin_host}:{settings.admin_port}/admin", flush=True)
+
+        async def stop_servers() -> None:
+            await ctx.stop.wait()
+            for server in servers:
+                server.should_exit = True
+
+        await asyncio.gather(*(s.serve() for s in servers), view.follow(ctx.nc, ctx.subjects, ctx.stop),
+                             gateway.publish_windows(ctx.stop), stop_servers())
+
+
+def http_server(app: Starlette, host: str, port: int) -> uvicorn.Server:
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+        # Held requests and long streams would otherwise keep a stopping gateway up for minutes.
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    ))
+    # The service's own signal handling decides when to stop; uvicorn only serves.
+    server.capture_signals = contextlib.nullcontext
+    return server
 
 
 def main(argv: list[str]) -> int:

@@ -137,3 +137,45 @@ async def test_the_openai_sdk_works_through_the_gateway(engines, facts, gateways
         assert unknown is not None and unknown.body["param"] == "model"
     finally:
         await sdk.close()
+
+
+async def test_two_replicas_behind_one_address_route_the_same_way_and_share_only_the_log(engines, facts, gateways):
+    await facts.alias()
+    await facts.running("f1", engines[FAST][0], FAST, capacity=2)
+    await facts.running("v1", engines[SLOW][0], SLOW)
+    await facts.route(R.FAST_ONLY)
+    replicas = [await gateways.start(), await gateways.start()]
+    async with httpx.AsyncClient(timeout=30) as client:
+        async def through_the_address(n: int) -> list[tuple[str, str]]:
+            """`n` requests, round-robin over the replicas as a load balancer in front of them would send them."""
+            sent = []
+            for i in range(n):
+                replica = replicas[i % 2]
+                response = await client.post(f"{replica.url}/v1/chat/completions", json=CHAT)
+                assert response.status_code == 200, response.text
+                sent.append((replica.url, response.headers["x-modelpool-backend"]))
+            return sent
+
+        fast = await through_the_address(10)
+        await facts.route(R.WARMING_VLLM, R.MIXED, R.VLLM_PRIMARY, mix_weight=1.0)
+        for replica in replicas:
+            await replica.caught_up()
+        slow = await through_the_address(10)
+
+        # Each replica admits up to the instance's capacity on its own count: two each, four at once.
+        await facts.route(R.FAST_ONLY)
+        for replica in replicas:
+            await replica.caught_up()
+        held = [asyncio.create_task(client.post(f"{r.url}/v1/chat/completions", json={**CHAT, "max_tokens": 400,
+                                                                                         "ignore_eos": True}))
+                for r in replicas for _ in range(3)]
+        await asyncio.sleep(0.2)
+        waiting = [metric_of(await replica.metrics(), "modelpool:num_requests_waiting") for replica in replicas]
+        await asyncio.gather(*held)
+    assert {backend for _, backend in fast} == {"llama.cpp"} and {url for url, _ in fast} == {r.url for r in replicas}
+    assert {backend for _, backend in slow} == {"vllm"}
+    assert waiting == [1, 1]
+
+
+def metric_of(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))

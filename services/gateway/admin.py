@@ -1,0 +1,111 @@
+"""The operators' API: on its own port, behind its own token, never on the public one.
+
+    GET  /admin/status                       what `modelpool status --json` prints
+    GET  /admin/history/{alias}?since=&until= the alias's timeline from the log (ISO times)
+    GET  /admin/instances                    every instance as the gateway's live view has it
+    POST /admin/instances/{id}/drain         take an instance out of service
+
+It is served only when `MODELPOOL_ADMIN_TOKEN` is set, on `MODELPOOL_ADMIN_HOST`
+(loopback by default) and `MODELPOOL_ADMIN_PORT`. A drain goes to the
+instance's worker as the controller's commands do; the worker records the
+change with the reason, so the log shows who asked. The controller then treats
+the instance as any drained one: it is deleted once drained, and replaced if
+the alias's targets still want it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import uuid
+from datetime import datetime
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from services.gateway.edge import error_response, http_error, unauthorized, unexpected_error
+from services.ops.history import load_history, summarize
+from services.ops.status import load_status
+from services.runtime import ServiceContext
+from shared.bus.jetstream import publish
+from shared.contracts.commands import DrainInstance
+from shared.contracts.messages import Envelope
+from shared.openai_protocol import APIError, bad_request
+from shared.projections.live import LiveView
+from shared.projections.readmodels import INSTANCES
+
+DRAINABLE = ("RUNNING", "STARTING", "SLEEP_1", "SLEEP_2")
+DRAIN_TIMEOUT_S = 120.0
+
+
+def create_admin_app(ctx: ServiceContext, view: LiveView, token: str) -> Starlette:
+    expected = token.encode()
+
+    def check(request: Request) -> None:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+            raise unauthorized("the admin API needs `Authorization: Bearer <MODELPOOL_ADMIN_TOKEN>`")
+
+    def guarded(handler):
+        async def endpoint(request: Request) -> Response:
+            try:
+                check(request)
+                return await handler(request)
+            except APIError as exc:
+                return error_response(exc)
+        return endpoint
+
+    async def status(_: Request) -> Response:
+        return JSONResponse(_jsonable(await load_status(ctx.settings)))
+
+    async def history(request: Request) -> Response:
+        alias = request.path_params["alias"]
+        try:
+            since, until = (datetime.fromisoformat(request.query_params[k]) if k in request.query_params else None
+                            for k in ("since", "until"))
+        except ValueError as exc:
+            raise bad_request(f"since / until must be ISO 8601 times: {exc}", param="since") from None
+        events = await load_history(ctx.settings, alias, since, until)
+        return JSONResponse({"alias": alias, "events": [
+            {"at": e.occurred_at.isoformat(), "type": e.type, "position": e.position, "summary": summarize(e)}
+            for e in events]})
+
+    async def instances(_: Request) -> Response:
+        rows = sorted(view[INSTANCES].values(), key=lambda r: (r["alias"], r["backend_type"], r["instance_id"]))
+        return JSONResponse({"instances": _jsonable(rows)})
+
+    async def drain(request: Request) -> Response:
+        instance_id = request.path_params["instance_id"]
+        row = view[INSTANCES].get(instance_id)
+        if row is None:
+            raise APIError(404, f"no instance {instance_id!r}", code="instance_not_found")
+        if row["state"] not in DRAINABLE:
+            raise APIError(409, f"instance {instance_id} is {row['state']}: only {', '.join(DRAINABLE)} can be drained",
+                           code="not_drainable")
+        command = DrainInstance(instance_id=instance_id, alias=row["alias"], backend_type=row["backend_type"],
+                                worker_id=row["worker_id"], timeout_s=DRAIN_TIMEOUT_S,
+                                reason="operator drain (admin API)")
+        envelope = Envelope.wrap(command, id=uuid.uuid4())
+        await publish(ctx.js, ctx.subjects.worker_commands(row["worker_id"]), envelope, ctx.telemetry)
+        return JSONResponse({"command_id": str(envelope.id), "instance_id": instance_id, "worker_id": row["worker_id"],
+                             "action": "drain"}, status_code=202)
+
+    return Starlette(
+        routes=[
+            Route("/admin/status", guarded(status)),
+            Route("/admin/history/{alias}", guarded(history)),
+            Route("/admin/instances", guarded(instances)),
+            Route("/admin/instances/{instance_id}/drain", guarded(drain), methods=["POST"]),
+        ],
+        exception_handlers={404: http_error, 405: http_error, Exception: unexpected_error},
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value.isoformat() if isinstance(value, datetime) else value
