@@ -69,10 +69,20 @@ class Load:
     slow_failures: int = 0
     """vLLM errors and timeouts in the window."""
     measured: bool = False
+    queued: float = 0.0
+    """Requests waiting in the gateways for a slot, averaged over the window: demand the instances
+    have no room for yet (the gateways admit at most an instance's capacity), so it counts as load."""
 
     @property
     def total(self) -> float:
-        return self.inflight_fast + self.inflight_slow
+        """inflight_total of seed 000: every request in the system, on an instance or waiting for one."""
+        return self.inflight_fast + self.inflight_slow + self.queued
+
+    @property
+    def fast_demand(self) -> float:
+        """inflight_fast with the waiting requests: in the states where it is read (FAST_ONLY, DEGRADED_FAST)
+        only the fast tier is routed, so the queue waits for it."""
+        return self.inflight_fast + self.queued
 
     @property
     def busy(self) -> bool:
@@ -92,6 +102,7 @@ def load_of(s: AliasSnapshot) -> Load:
         inflight_fast=m.inflight_fast, inflight_slow=m.inflight_slow, waiting=max(s.demand, m.held),
         arrivals=m.arrivals, queue_wait_p95=m.queue_wait_p95_s, e2e_p95_fast=m.e2e_p95_fast_s,
         e2e_p95_slow=m.e2e_p95_slow_s, slow_failures=m.errors_slow + m.timeouts_slow, measured=True,
+        queued=m.queue_len,
     )
 
 
@@ -179,7 +190,8 @@ class _Step:
 
 class HybridPolicy:
     name = "hybrid"
-    version = 1
+    version = 2
+    """2: requests waiting in the gateways for a slot count as load (inflight_total, the fast warm-up signal)."""
 
     def propose(self, s: AliasSnapshot, now: datetime, new_window: bool) -> Proposal:
         cfg = s.settings
@@ -227,7 +239,7 @@ class HybridPolicy:
     def _up_signals(load: Load, cap: Capacity, cfg: PolicySettings) -> tuple[bool, bool, bool, bool]:
         """§4.1 item 2 and the §5.2 early trigger: which of them this window shows (worded by `_up_reasons`
         only when a decision tells them)."""
-        return (load.inflight_fast >= cap.c_up, load.total >= cap.c_prepare,
+        return (load.fast_demand >= cap.c_up, load.total >= cap.c_prepare,
                 load.queue_wait_p95 is not None and load.queue_wait_p95 > cfg.HYBRID_QUEUE_SLA_S,
                 load.e2e_p95_fast is not None and load.e2e_p95_fast > cfg.HYBRID_E2E_SLA_S)
 
@@ -236,7 +248,8 @@ class HybridPolicy:
         fast, total, queue, e2e = cls._up_signals(load, cap, cfg)
         reasons = []
         if fast:
-            reasons.append(f"inflight_fast {_fmt(load.inflight_fast)} >= C_up {cap.c_up}")
+            queued = f" + {_fmt(load.queued)} waiting" if load.queued else ""
+            reasons.append(f"inflight_fast {_fmt(load.inflight_fast)}{queued} >= C_up {cap.c_up}")
         if total:
             reasons.append(f"inflight_total {_fmt(load.total)} >= C_prepare {cap.c_prepare}")
         if queue:

@@ -12,6 +12,7 @@ import pytest
 from helpers import eventually, fetch
 from sqlalchemy import text
 
+from policy.hybrid import HybridPolicy
 from services.autoscaler.controller import Controller
 from services.ops.verify import verify_decisions
 from services.placement.service import Placement
@@ -103,7 +104,7 @@ async def test_demand_on_a_cold_alias_is_decided_at_once_recorded_with_its_input
     cold = decided[-1].payload
     assert cold["decision"]["routing"]["to_state"] == "FAST_ONLY"
     assert cold["snapshot"]["demand"] == 3 and cold["snapshot"]["routing_state"] == "COLD"
-    assert cold["policy"] == "hybrid" and cold["policy_version"] == 1
+    assert cold["policy"] == "hybrid" and cold["policy_version"] == HybridPolicy.version
     (start,) = cold["decision"]["actions"]
     place = PlaceInstance.model_validate(Envelope.model_validate_json(msg.data).payload)
     assert str(place.request_id) == start["command_id"] == msg.headers[h.MSG_ID]

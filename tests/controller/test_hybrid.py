@@ -119,6 +119,18 @@ def test_a_fast_burst_scales_llama_cpp_first_bounded_by_max_replicas():
     assert d.targets[FAST] == 2 and "bounded to 0..2" in d.targets_reason
 
 
+def test_requests_waiting_in_the_gateways_count_as_load():
+    # The gateways admit at most an instance's capacity (C_l 4): the rest wait there. A pool
+    # blind to the queue would never see more than it already has.
+    w = fast_only(HYBRID_ENABLE=False)
+    d = w.run(2, inflight_fast=4.0, queue_len=6.0)[-1]  # L_target = ceil((4 + 6) / 4) = 3, bounded to 2
+    assert d.targets[FAST] == 2 and "ceil(max(0, 10 - C_eff 0) / C_l 4)" in d.targets_reason
+    w = fast_only()
+    assert w.run(2, inflight_fast=1.0, queue_len=0.0)[-1].routing is None
+    w.run(4, inflight_fast=1.0, queue_len=3.0)  # inflight_total 4 >= C_prepare 3, two windows running
+    assert w.routing is R.WARMING_VLLM
+
+
 # --------------------------------------------------------------------------- WARMING_VLLM -> MIXED
 
 

