@@ -10,6 +10,9 @@ behind every path:
 - LiteLLM: `litellm --config` as its own process, one worker, the engine as an
   OpenAI-compatible backend (installed in its own environment, `--litellm`).
 
+Both proxies check an API key (the gateway's `MODELPOOL_API_KEYS`, LiteLLM's
+master key) and log as they do by default; the engine takes the key and ignores it.
+
 Measured:
 
 1. added latency at moderate load: `--ttft-concurrency` streams at a time,
@@ -69,6 +72,8 @@ from shared.settings import Settings  # noqa: E402
 
 ALIAS = "tiny"
 SLOW = BackendType.VLLM
+API_KEY = "sk-modelpool-bench-" + secrets.token_hex(8)
+"""Both proxies check a key, as they would in production (LiteLLM refuses to start without one)."""
 
 
 def say(message: str) -> None:
@@ -231,7 +236,8 @@ async def max_rps(client: httpx.AsyncClient, name: str, base: str, steps: list[i
 async def open_streams(gateway_url: str, gateway: Process, n: int) -> dict:
     """Hold `n` streams open through the gateway at once; its resident memory before and while they are open."""
     limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120), limits=limits,
+                                 headers={"authorization": f"Bearer {API_KEY}"}) as client:
         await asyncio.sleep(1.0)
         before = gateway.rss_bytes()
         started = 0
@@ -272,7 +278,7 @@ def run_guidellm(venv: Path, gateway_url: str, out_dir: Path) -> dict:
                     str(tokenizer)], check=True, env=env, capture_output=True)
     report = out_dir / "guidellm.json"
     subprocess.run([str(venv / "bin/guidellm"), "run",
-                    "--backend", f"kind=openai_http,target={gateway_url},model={ALIAS}",
+                    "--backend", f"kind=openai_http,target={gateway_url},model={ALIAS},api_key={API_KEY}",
                     "--tokenizer", f"kind=hf_auto,model={tokenizer}",
                     "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=64",
                     "--data-loader", "kind=pytorch,prefetch_factor=16",
@@ -312,7 +318,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         gateway = Process("gateway", [python, "-m", "services.cli", "gateway"], work, {
             "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url,
             "MODELPOOL_NAMESPACE": settings.namespace, "MODELPOOL_GATEWAY_PORT": str(gateway_port),
-            "MODELPOOL_GATEWAY_ID": "bench", "MODELPOOL_QUEUE_SIZE": "4096"})
+            "MODELPOOL_GATEWAY_ID": "bench", "MODELPOOL_QUEUE_SIZE": "4096", "MODELPOOL_API_KEYS": API_KEY})
         processes.append(gateway)
         await wait_ready(f"{gateway_url}/health", gateway)
         litellm_url = None
@@ -322,12 +328,14 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
             litellm = Process("litellm", [str(Path(args.litellm) / "bin/litellm"), "--config",
                                           str(litellm_config(work / "litellm.json", engine_url)),
                                           "--host", "127.0.0.1", "--port", str(litellm_port), "--num_workers", "1"],
-                              work, {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"})
+                              work, {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
+                                     "LITELLM_MASTER_KEY": API_KEY})
             processes.append(litellm)
             await wait_ready(f"{litellm_url}/health/liveliness", litellm)
 
         limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(60), limits=limits) as client:
+        auth = {"authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60), limits=limits, headers=auth) as client:
             say("warming up")
             for base in filter(None, (engine_url, gateway_url, litellm_url)):
                 await closed_loop(client, base, 4, 2.0)

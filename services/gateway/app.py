@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-import httpx
+import aiohttp
 import orjson
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.applications import Starlette
@@ -92,10 +92,25 @@ def gateway_id(settings: Settings) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", settings.gateway_id or f"{socket.gethostname()}-{os.getpid()}")
 
 
-def upstream_client(config: GatewayConfig) -> httpx.AsyncClient:
-    # The read timeout bounds an engine's silence, not a generation: a stream sends a chunk per token.
-    return httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256),
-                             timeout=httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s))
+UPSTREAM_KEEPALIVE_S = 4.0
+"""A pooled connection to an engine is dropped after this long idle: before the engine's own server
+(uvicorn: 5 s) closes it, so a request never goes out on a connection closing under it."""
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+UPSTREAM_REFUSED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+"""Failures where nothing reached the engine: the request may go to another instance."""
+
+
+def upstream_client(config: GatewayConfig) -> aiohttp.ClientSession:
+    """The gateway's connections to the engines (aiohttp: its per-request cost is a fraction of httpx's).
+
+    The read timeout bounds an engine's silence, not a generation: a stream sends a chunk per token.
+    Bodies are relayed as they come, so nothing is decompressed.
+    """
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s, sock_read=config.read_timeout_s),
+        auto_decompress=False,
+    )
 
 
 def error_event(exc: APIError) -> bytes:
@@ -119,8 +134,9 @@ def upstream_error(body: bytes, status: int) -> APIError:
     return APIError(status, body.decode(errors="replace")[:1000] or f"engine answered {status}", type="api_error")
 
 
-def instance_failed(instance_id: str, exc: Exception) -> APIError:
-    return APIError(502, f"instance {instance_id} failed while answering: {exc!r}", type="api_error", code="instance_failed")
+def instance_failed(instance_id: str, exc: BaseException) -> APIError:
+    what = "went silent longer than the read timeout" if isinstance(exc, asyncio.TimeoutError) else "failed while answering"
+    return APIError(502, f"instance {instance_id} {what}: {exc!r}", type="api_error", code="instance_failed")
 
 
 class Refused(Exception):
@@ -135,7 +151,7 @@ class Refused(Exception):
 class Gateway:
     """Everything the gateway keeps between requests: its view, router, admission, meters and keys."""
 
-    def __init__(self, settings: Settings, view: LiveView, client: httpx.AsyncClient, bus: TelemetryBus,
+    def __init__(self, settings: Settings, view: LiveView, client: aiohttp.ClientSession, bus: TelemetryBus,
                  pool: PoolConfig | None = None, telemetry: Telemetry | None = None) -> None:
         pool = pool or PoolConfig()
         self.settings = settings
@@ -214,7 +230,9 @@ class Exchange:
         self.slot: Slot | None = None
         self.engine: str | None = None
         self.retries = 0
-        self.upstream: httpx.Response | None = None
+        self.upstream: aiohttp.ClientResponse | None = None
+        self.read_whole = False
+        """The engine's answer was read to its end: its connection can serve another request."""
         self.usage: Usage | None = None
 
     @property
@@ -259,8 +277,10 @@ class Exchange:
         if self.slot is not None:
             gateway.admission.release(self.slot)
         if self.upstream is not None:
-            # An unfinished answer: closing makes the engine see the disconnect and stop generating.
-            await self.upstream.aclose()
+            if self.read_whole:
+                self.upstream.release()
+            else:
+                self.upstream.close()  # an unfinished answer: the engine sees the disconnect and stops generating
         instance = self.slot.instance_id if self.slot else None
         span.set_attributes({"modelpool.outcome": outcome.value, "modelpool.backend": backend,
                              "http.response.status_code": self.status or 0})
@@ -332,7 +352,7 @@ class Exchange:
         finally:
             gateway.admission.leave(waiter, outcome)
 
-    async def _connect(self) -> httpx.Response:
+    async def _connect(self) -> aiohttp.ClientResponse:
         """Send the request to its slot's instance; a refused connection or a 503 is sent once more, elsewhere.
 
         Only then: nothing of the request can have run. Another instance of the same
@@ -349,16 +369,17 @@ class Exchange:
             tried.add(slot.instance_id)
             response, reason = None, None
             try:
-                response = await gateway.client.send(self._upstream_request(slot), stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                response = await gateway.client.post(f"{slot.instance['endpoint']}{self.path}", data=self.payload,
+                                                     headers=self._upstream_headers())
+            except UPSTREAM_REFUSED as exc:
                 failures.append(f"{slot.instance_id}: {exc!r}")
                 trace.refused(slot.backend)
                 reason = "refused"
-            except httpx.HTTPError as exc:
+            except UPSTREAM_ERRORS as exc:
                 # The engine may have started on it: not safe to send again.
                 raise Refused(instance_failed(slot.instance_id, exc), Outcome.ENGINE_ERROR) from exc
             if response is not None:
-                if response.status_code != 503 or self.retries:
+                if response.status != 503 or self.retries:
                     return response
                 reason = "unavailable"
             other = None if self.retries else gateway.router.take_in(self.alias, slot.backend, frozenset(tried))
@@ -370,23 +391,22 @@ class Exchange:
                     f"no {slot.backend.value} instance of `{self.alias}` took the connection; retry shortly",
                     code="instance_unreachable"), Outcome.UNREACHABLE)
             if response is not None:
-                await response.aclose()
+                response.close()
             gateway.metrics.retried(self.alias, slot.backend.value, reason or "refused")
             self.retries += 1
             self.slot = other
             gateway.admission.release(slot)
 
-    def _upstream_request(self, slot: Slot) -> httpx.Request:
+    def _upstream_headers(self) -> dict[str, str]:
         headers = {"content-type": "application/json",
                    # Uncompressed, so the bytes relayed as they come are the bytes the client can read.
                    "accept-encoding": "identity", REQUEST_ID_HEADER: self.request_id}
         self.gateway.telemetry.inject(headers)  # traceparent: the engine's spans join the request's trace
-        return self.gateway.client.build_request("POST", f"{slot.instance['endpoint']}{self.path}",
-                                                 content=self.payload, headers=headers)
+        return headers
 
-    async def _relay(self, send: Send, response: httpx.Response) -> Outcome:
+    async def _relay(self, send: Send, response: aiohttp.ClientResponse) -> Outcome:
         instance = self.slot.instance  # type: ignore[union-attr]
-        status = response.status_code
+        status = response.status
         self.engine = response.headers.get(ENGINE_HEADER, instance["engine"])
         if self.stream and status == 200:
             if self.started:
@@ -400,11 +420,12 @@ class Exchange:
         # A whole answer (or an engine's error), read before anything is sent: an engine
         # that fails midway is a 502 with an error body, not a truncated answer.
         try:
-            body = await response.aread()
-        except httpx.HTTPError as exc:
+            body = await response.read()
+        except UPSTREAM_ERRORS as exc:
             log.warning("answer of %s from %s broke: %r", self.alias, instance["instance_id"], exc)
             await self._refuse(send, instance_failed(instance["instance_id"], exc))
             return Outcome.ENGINE_ERROR
+        self.read_whole = True
         if self.started:  # a held stream the engine refused: its 200 is out, so the error is an event
             await self._send(send, error_event(upstream_error(body, status)), more=False)
             return outcome_of(status)
@@ -421,22 +442,23 @@ class Exchange:
                 (b"x-modelpool-backend", instance["backend_type"].encode()),
                 (ENGINE_HEADER.encode(), (self.engine or instance["engine"]).encode())]
 
-    async def _relay_events(self, send: Send, response: httpx.Response) -> Outcome:
+    async def _relay_events(self, send: Send, response: aiohttp.ClientResponse) -> Outcome:
         scanner, trace, clock = EventScanner(self.keep_usage), self.trace, self.gateway.clock
         try:
-            async for data in response.aiter_raw():
+            async for data in response.content.iter_any():
                 now = clock()
                 events, chunks = scanner.feed(data)
                 if chunks:
                     trace.content(chunks, now)
                 if events:
                     await self._send(send, events)
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             log.warning("stream of %s from %s broke: %r", self.alias, self.slot.instance_id, exc)  # type: ignore[union-attr]
-            what = "went silent longer than the read timeout" if isinstance(exc, httpx.ReadTimeout) else "broke"
+            what = "went silent longer than the read timeout" if isinstance(exc, asyncio.TimeoutError) else "broke"
             await self._send(send, error_event(APIError(502, f"the instance's stream {what}: {exc!r}", type="api_error",
                                                         code="stream_broken")), more=False)
             return Outcome.ENGINE_ERROR
+        self.read_whole = True
         rest, chunks = scanner.flush()
         if chunks:
             trace.content(chunks, clock())

@@ -63,4 +63,4 @@ def main(argv: list[str]) -> int:
     # fails fast, before connecting to anything.
     pool = load_pool_config(settings.config_path)
     pool.gateway.keys()
-    return run_service("gateway", lambda ctx: serve(ctx, pool), settings)
+    return run_service("gateway", lambda ctx: serve(ctx, pool), settings, fast_loop=True)
