@@ -57,6 +57,11 @@ class Telemetry:
         else:
             self.meter = NoOpMeterProvider().get_meter("modelpool")
 
+    @property
+    def tracing(self) -> bool:
+        """Whether spans go anywhere: without, a hot path may skip making them."""
+        return self._tracer_provider is not None
+
     @classmethod
     def from_settings(cls, settings: Any, service_name: str) -> "Telemetry":
         return cls(service_name, otlp_endpoint=settings.otlp_endpoint)

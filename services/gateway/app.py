@@ -85,6 +85,7 @@ SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),  # proxies such as nginx would otherwise buffer the keep-alives
 ]
 REQUEST_ID_HEADER = "x-request-id"
+TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 def gateway_id(settings: Settings) -> str:
@@ -203,8 +204,9 @@ class Gateway:
             # Ask for usage, so the window counts tokens exactly; the scanner takes it out
             # again unless the client asked for it too.
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        trace_headers = {k: request.headers[k] for k in TRACE_HEADERS if k in request.headers} if self.telemetry.tracing else {}
         return Exchange(self, routed.model, path, orjson.dumps(body), routed.stream, routed.include_usage, request_id,
-                        dict(request.headers))
+                        trace_headers)
 
 
 class Exchange:
@@ -216,7 +218,7 @@ class Exchange:
     """
 
     def __init__(self, gateway: Gateway, alias: str, path: str, payload: bytes, stream: bool, keep_usage: bool,
-                 request_id: str, headers: dict[str, str]) -> None:
+                 request_id: str, trace_headers: dict[str, str]) -> None:
         self.gateway = gateway
         self.alias = alias
         self.path = path
@@ -224,7 +226,8 @@ class Exchange:
         self.stream = stream
         self.keep_usage = keep_usage
         self.request_id = request_id
-        self.client_headers = headers
+        self.trace_headers = trace_headers
+        """The client's `traceparent` / `tracestate`, if it sent them."""
         self.trace = RequestTrace(gateway.meter.of(alias), gateway.clock)
         self.status: int | None = None
         self.slot: Slot | None = None
@@ -252,11 +255,7 @@ class Exchange:
 
     async def _run(self, send: Send) -> None:
         outcome = Outcome.LEFT  # unless something below says otherwise, we were cancelled: the client is gone
-        telemetry = self.gateway.telemetry
-        context = telemetry.extract({k: v for k, v in self.client_headers.items() if k in ("traceparent", "tracestate")})
-        with telemetry.tracer.start_as_current_span("gateway.request", context=context, kind=SpanKind.SERVER,
-                                                    attributes={"modelpool.alias": self.alias,
-                                                                "http.route": self.path}) as span:
+        with self._span() as span:
             try:
                 outcome = await self._serve(send)
             except Exception as exc:
@@ -267,7 +266,16 @@ class Exchange:
             finally:
                 await self._finish(outcome, span)
 
-    async def _finish(self, outcome: Outcome, span: Span) -> None:
+    def _span(self) -> contextlib.AbstractContextManager[Span | None]:
+        """The request's server span, continuing the client's trace; none when tracing is off (the hot path)."""
+        telemetry = self.gateway.telemetry
+        if not telemetry.tracing:
+            return contextlib.nullcontext()
+        context = telemetry.extract(self.trace_headers)
+        return telemetry.tracer.start_as_current_span("gateway.request", context=context, kind=SpanKind.SERVER,
+                                                      attributes={"modelpool.alias": self.alias, "http.route": self.path})
+
+    async def _finish(self, outcome: Outcome, span: Span | None) -> None:
         gateway, trace = self.gateway, self.trace
         trace.finished(outcome, self.usage)
         backend = trace.backend.value if trace.backend else "none"
@@ -282,12 +290,13 @@ class Exchange:
             else:
                 self.upstream.close()  # an unfinished answer: the engine sees the disconnect and stops generating
         instance = self.slot.instance_id if self.slot else None
-        span.set_attributes({"modelpool.outcome": outcome.value, "modelpool.backend": backend,
-                             "http.response.status_code": self.status or 0})
-        if instance:
-            span.set_attribute("modelpool.instance", instance)
-        if outcome not in (Outcome.OK, Outcome.CLIENT_ERROR, Outcome.LEFT):
-            span.set_status(Status(StatusCode.ERROR, outcome.value))
+        if span is not None:
+            span.set_attributes({"modelpool.outcome": outcome.value, "modelpool.backend": backend,
+                                 "http.response.status_code": self.status or 0, "modelpool.instance": instance or ""})
+            if outcome not in (Outcome.OK, Outcome.CLIENT_ERROR, Outcome.LEFT):
+                span.set_status(Status(StatusCode.ERROR, outcome.value))
+        if not access_log.isEnabledFor(logging.INFO):
+            return
         record = {
             "request_id": self.request_id, "alias": self.alias, "path": self.path, "stream": self.stream,
             "status": self.status, "outcome": outcome.value, "instance": instance, "backend": backend,
@@ -401,7 +410,8 @@ class Exchange:
         headers = {"content-type": "application/json",
                    # Uncompressed, so the bytes relayed as they come are the bytes the client can read.
                    "accept-encoding": "identity", REQUEST_ID_HEADER: self.request_id}
-        self.gateway.telemetry.inject(headers)  # traceparent: the engine's spans join the request's trace
+        if self.gateway.telemetry.tracing:
+            self.gateway.telemetry.inject(headers)  # traceparent: the engine's spans join the request's trace
         return headers
 
     async def _relay(self, send: Send, response: aiohttp.ClientResponse) -> Outcome:
