@@ -25,6 +25,10 @@ Measured:
    engine itself (the ceiling the engine allows on these two cores);
 3. memory per open stream: `--streams` streams held open through the gateway
    at once; the growth of the gateway's resident memory, divided by them;
+   and overload: a second alias whose instance reports a capacity of
+   `--capacity`, loaded at it and then at ten times it (closed loop): a
+   request's time on the engine should not change, the excess waits in the
+   gateway's queue, and the gateway's memory stays bounded;
 4. optionally (`--guidellm VENV`) guidellm's own run against the gateway.
 
     .venv/bin/python bench/gateway.py --litellm ~/.cache/modelpool/litellm-venv --plot docs/img/gateway.png
@@ -71,6 +75,7 @@ from shared.net import free_port  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 
 ALIAS = "tiny"
+OVERLOAD_ALIAS = "tiny-capped"
 SLOW = BackendType.VLLM
 API_KEY = "sk-modelpool-bench-" + secrets.token_hex(8)
 """Both proxies check a key, as they would in production (LiteLLM refuses to start without one)."""
@@ -120,22 +125,24 @@ async def wait_ready(url: str, process: Process, timeout_s: float = 120.0) -> No
             await asyncio.sleep(0.2)
 
 
-async def record_facts(settings: Settings, engine_url: str) -> None:
-    """What the controller and the worker would have recorded: the alias, its running instance, its state."""
+async def record_facts(settings: Settings, aliases: dict[str, tuple[str, int | None]]) -> None:
+    """What the controller and the worker would have recorded: per alias, its one running instance
+    (engine URL, reported capacity) and its routing state."""
     await migrate_async(settings)
     db = create_engine(settings, pool_size=1)
     store = make_store(db, event_registry(), settings.namespace)
-    config = AliasConfig.model_validate({"alias": ALIAS, "backends": {"vllm": {
-        "model_name": ALIAS, "model_path": "simulated", "gpu_memory_gb": 12, "engine": "simulator"}}})
-    await store.append(f"alias:{ALIAS}", [Envelope.wrap(AliasConfigured(alias=ALIAS, config=config))])
-    for from_state, to_state in ((InstanceState.ABSENT, InstanceState.STARTING),
-                                 (InstanceState.STARTING, InstanceState.RUNNING)):
-        await store.append("instance:v1", [Envelope.wrap(InstanceStateChanged(
-            instance_id="v1", alias=ALIAS, backend_type=SLOW, engine=EngineKind.SIMULATOR, worker_id="w1",
-            from_state=from_state, to_state=to_state, reason="bench", endpoint=engine_url))])
-    await store.append(f"alias:{ALIAS}", [Envelope.wrap(RoutingStateChanged(
-        alias=ALIAS, from_state=RoutingState.COLD, to_state=RoutingState.VLLM_PRIMARY, reason="bench", mix_weight=1.0,
-        policy="bench"))])
+    for alias, (engine_url, capacity) in aliases.items():
+        config = AliasConfig.model_validate({"alias": alias, "backends": {"vllm": {
+            "model_name": alias, "model_path": "simulated", "gpu_memory_gb": 12, "engine": "simulator"}}})
+        await store.append(f"alias:{alias}", [Envelope.wrap(AliasConfigured(alias=alias, config=config))])
+        for from_state, to_state in ((InstanceState.ABSENT, InstanceState.STARTING),
+                                     (InstanceState.STARTING, InstanceState.RUNNING)):
+            await store.append(f"instance:{alias}-1", [Envelope.wrap(InstanceStateChanged(
+                instance_id=f"{alias}-1", alias=alias, backend_type=SLOW, engine=EngineKind.SIMULATOR, worker_id="w1",
+                from_state=from_state, to_state=to_state, reason="bench", endpoint=engine_url, capacity=capacity))])
+        await store.append(f"alias:{alias}", [Envelope.wrap(RoutingStateChanged(
+            alias=alias, from_state=RoutingState.COLD, to_state=RoutingState.VLLM_PRIMARY, reason="bench",
+            mix_weight=1.0, policy="bench"))])
     await db.dispose()
 
 
@@ -165,8 +172,8 @@ def litellm_config(path: Path, engine_url: str) -> Path:
 # --------------------------------------------------------------------------- load
 
 
-def chat(stream: bool, max_tokens: int) -> dict:
-    return {"model": ALIAS, "messages": [{"role": "user", "content": "Say something short."}],
+def chat(stream: bool, max_tokens: int, alias: str = ALIAS) -> dict:
+    return {"model": alias, "messages": [{"role": "user", "content": "Say something short."}],
             "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
 
 
@@ -231,6 +238,57 @@ async def max_rps(client: httpx.AsyncClient, name: str, base: str, steps: list[i
             break  # past what it sustains: higher steps only pile on
     sustained = [r["rps"] for r in results if not r["errors"] and r["p99_ms"] <= 1000 * p99_limit_s]
     return {"max_rps": max(sustained, default=0.0), "steps": results}
+
+
+def overload_lines(access_log: Path) -> list[dict]:
+    """The gateway's access-log records of the overload alias's answered requests, oldest first."""
+    marker = f'"alias":"{OVERLOAD_ALIAS}"'
+    return [json.loads(line.split(" modelpool.access: ", 1)[1]) for line in access_log.read_text().splitlines()
+            if " modelpool.access: " in line and marker in line and '"status":200' in line]
+
+
+async def overload(client: httpx.AsyncClient, gateway_url: str, gateway: Process, access_log: Path, capacity: int,
+                   seconds: float) -> dict:
+    """An instance taking `capacity` requests, loaded at its capacity and then at ten times it.
+
+    Closed-loop clients, one request after another (32 tokens each). What admission
+    promises: the engine never has more than its capacity, so a request's time on it
+    (the access log's end to end less its queue wait) stays what it is at capacity;
+    the excess waits in the queue, and the gateway's memory stays bounded.
+    """
+    phases = {}
+    body = chat(False, 32, OVERLOAD_ALIAS)
+    for name, clients in (("at_capacity", capacity), ("ten_times", 10 * capacity)):
+        seen = len(overload_lines(access_log))
+        rss = [gateway.rss_bytes()]
+        deadline = time.perf_counter() + seconds
+        statuses: dict[int, int] = {}
+
+        async def one_client() -> None:
+            while time.perf_counter() < deadline:
+                response = await client.post(f"{gateway_url}/v1/chat/completions", json=body)
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+
+        async def sample_memory() -> None:
+            while time.perf_counter() < deadline:
+                await asyncio.sleep(0.5)
+                rss.append(gateway.rss_bytes())
+
+        await asyncio.gather(sample_memory(), *(one_client() for _ in range(clients)))
+        await asyncio.sleep(0.5)  # the last access-log lines
+        served = overload_lines(access_log)[seen:]
+        on_engine = [r["e2e_s"] - r["queue_s"] for r in served]
+        e2e = [r["e2e_s"] for r in served]
+        phases[name] = {
+            "clients": clients, "answered": statuses,
+            "on_engine_p50_ms": round(1000 * quantile(on_engine, 0.5), 1),
+            "on_engine_p99_ms": round(1000 * quantile(on_engine, 0.99), 1),
+            "e2e_p50_ms": round(1000 * quantile(e2e, 0.5), 1), "e2e_p99_ms": round(1000 * quantile(e2e, 0.99), 1),
+            "rss_first_mib": round(rss[0] / 2**20, 1), "rss_max_mib": round(max(rss) / 2**20, 1),
+        }
+        say(f"overload {name}: {clients} clients, on the engine p50 {phases[name]['on_engine_p50_ms']} ms, "
+            f"end to end p50 {phases[name]['e2e_p50_ms']} ms, gateway RSS up to {phases[name]['rss_max_mib']} MiB")
+    return phases
 
 
 async def open_streams(gateway_url: str, gateway: Process, n: int) -> dict:
@@ -312,9 +370,15 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         engine = Process("engine", [python, "-m", "services.cli", "engine", "sim", "--profile", "vllm", "--model", ALIAS,
                                     "--port", str(engine_port), "--speedup", str(args.speedup), "--startup-s", "0",
                                     "--max-num-seqs", "1024", "--kv-cache-tokens", "4000000"], work)
-        processes.append(engine)
+        capped_port = free_port()
+        capped_url = f"http://127.0.0.1:{capped_port}"
+        capped = Process("engine-capped", [python, "-m", "services.cli", "engine", "sim", "--profile", "vllm",
+                                           "--model", OVERLOAD_ALIAS, "--port", str(capped_port), "--speedup", "10",
+                                           "--startup-s", "0"], work)
+        processes += [engine, capped]
         await wait_ready(f"{engine_url}/health", engine)
-        await record_facts(settings, engine_url)
+        await wait_ready(f"{capped_url}/health", capped)
+        await record_facts(settings, {ALIAS: (engine_url, None), OVERLOAD_ALIAS: (capped_url, args.capacity)})
         gateway = Process("gateway", [python, "-m", "services.cli", "gateway"], work, {
             "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url,
             "MODELPOOL_NAMESPACE": settings.namespace, "MODELPOOL_GATEWAY_PORT": str(gateway_port),
@@ -365,6 +429,9 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
             if litellm_url:
                 rates["litellm"] = await max_rps(client, "litellm", litellm_url, steps, args.step_s, args.p99_limit_s)
 
+            say(f"overload: an instance of capacity {args.capacity}, at it and at ten times it")
+            overloaded = await overload(client, gateway_url, gateway, gateway.log_path, args.capacity, args.overload_s)
+
         say(f"memory: {args.streams} streams open at once through the gateway")
         memory = await open_streams(gateway_url, gateway, args.streams)
         say(f"{memory['bytes_per_stream']} bytes per open stream")
@@ -387,6 +454,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         "ttft": ttft,
         "rates": rates,
         "memory": memory,
+        "overload": overloaded,
         "guidellm": guidellm,
     }
 
@@ -433,6 +501,8 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=6.0)
     parser.add_argument("--p99-limit-s", type=float, default=1.0)
     parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--capacity", type=int, default=8, help="the overloaded instance's reported capacity")
+    parser.add_argument("--overload-s", type=float, default=8.0)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
