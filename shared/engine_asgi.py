@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from opentelemetry.trace import SpanKind
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.openai_protocol import ENGINE_HEADER
+from shared.telemetry import Telemetry
+
+TRACE_HEADERS = (b"traceparent", b"tracestate")
 
 RAW_SEND_KEY = "modelpool.raw_send"
 """Scope key of the server's own `send`, for streams that write body chunks past the wrappers."""
@@ -30,3 +34,36 @@ class EngineHeader:
             await send(message)
 
         await self.app(scope, receive, stamped)
+
+
+class TraceRequests:
+    """A server span `llm_request` per OpenAI request, continuing the caller's `traceparent`.
+
+    vLLM does the same with `--otlp-traces-endpoint`: a request that came through
+    the gateway is one trace, gateway and engine. The span covers the whole
+    answer, a stream to its last event.
+    """
+
+    def __init__(self, app: ASGIApp, telemetry: Telemetry, engine: str) -> None:
+        self.app = app
+        self.telemetry = telemetry
+        self.engine = engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in TRACE_HEADERS}
+        status = 0
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        with self.telemetry.tracer.start_as_current_span(
+                "llm_request", context=self.telemetry.extract(carrier), kind=SpanKind.SERVER,
+                attributes={"http.route": scope["path"], "modelpool.engine": self.engine}) as span:
+            await self.app(scope, receive, watched)
+            span.set_attribute("http.response.status_code", status)

@@ -8,6 +8,7 @@ events the way it does in a deployment (log -> relay -> bus -> catch-up).
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -53,13 +54,13 @@ class EngineProcess:
             self.proc.wait()
 
 
-def start_engine(log_dir: Path, profile: str, alias: str, *options: str) -> EngineProcess:
+def start_engine(log_dir: Path, profile: str, alias: str, *options: str, env: dict[str, str] | None = None) -> EngineProcess:
     port = free_port()
     log_path = log_dir / f"engine-{profile}-{port}.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "engine", "sim", "--profile", profile, "--port", str(port),
          "--model", alias, "--startup-s", "0", *options],
-        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
     )
     return EngineProcess(f"http://127.0.0.1:{port}", proc, log_path)
 

@@ -33,7 +33,8 @@ from services.engines.simulated.config import EngineConfig
 from services.engines.simulated.driver import Generation, RealTimeDriver
 from services.engines.simulated.lifecycle import EngineState, Lifecycle, LifecycleError
 from services.engines.simulated.metrics import EngineSnapshot, EngineStats, render_llamacpp, render_vllm
-from shared.engine_asgi import RAW_SEND_KEY, EngineHeader
+from shared.engine_asgi import RAW_SEND_KEY, EngineHeader, TraceRequests
+from shared.telemetry import Telemetry
 from shared.openai_protocol import (
     SSE_DONE,
     APIError,
@@ -190,6 +191,8 @@ class EngineServer:
         self._loader: asyncio.Task[None] | None = None
         self._lifecycle_lock = asyncio.Lock()
         self._next_id = 0
+        self.telemetry: Telemetry | None = None
+        """Set when spans are exported (`otlp_traces_endpoint`)."""
 
     # ------------------------------------------------------------ start/stop
 
@@ -210,6 +213,8 @@ class EngineServer:
             if self._loader is not None:
                 self._loader.cancel()
             await self.driver.stop()
+            if self.telemetry is not None:
+                self.telemetry.shutdown()  # the last spans go out
 
     async def _load(self, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -543,10 +548,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def create_app(config: EngineConfig) -> Starlette:
     """The ASGI app of one simulated engine (the server state lives in the closure, not globally)."""
     server = EngineServer(config)
+    middleware = [Middleware(EngineHeader, engine=server.engine)]
+    if config.otlp_traces_endpoint:
+        server.telemetry = Telemetry(server.engine, otlp_endpoint=config.otlp_traces_endpoint)
+        middleware.append(Middleware(TraceRequests, telemetry=server.telemetry, engine=server.engine))
     app = Starlette(
         routes=server.routes(),
         lifespan=server.lifespan,
-        middleware=[Middleware(EngineHeader, engine=server.engine)],
+        middleware=middleware,
         exception_handlers={APIError: _api_error, HTTPException: _http_error},
     )
     app.state.server = server

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="served model name (default qwen3-vl-2b)")
     p.add_argument("--speedup", type=float, help="simulated seconds per wall second (tests use large values)")
     p.add_argument("--seed", type=int)
+    p.add_argument("--otlp-traces-endpoint", help="send a span per request here (OTLP/HTTP), continuing the caller's traceparent")
     g = p.add_argument_group("lifecycle delays, simulated seconds")
     g.add_argument("--startup-s", type=float, help="cold start (vllm 60, llama.cpp 2)")
     g.add_argument("--wake-l1-s", type=float, help="wake from sleep level 1 (0.3)")

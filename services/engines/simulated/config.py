@@ -42,6 +42,8 @@ class EngineConfig(BaseModel):
     speedup: float = Field(default=1.0, gt=0.0)
     """Simulated seconds per wall-clock second: every delay is divided by it."""
     seed: int = 0
+    otlp_traces_endpoint: str | None = None
+    """Where to send a span per request (OTLP/HTTP, `<url>/v1/traces`), as vLLM's flag of the same name."""
 
     # --- lifecycle delays (simulated seconds) ------------------------------
     startup_s: float = Field(default=60.0, ge=0.0)
