@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from urllib.parse import urlsplit
 
 import httpx
@@ -140,3 +142,38 @@ async def test_models_lists_each_alias_with_its_routing_state_and_which_backends
     assert card["backends"] == {"llama.cpp": {"engine": "simulated-llama.cpp", "simulated": True},
                                 "vllm": {"engine": "simulated-vllm", "simulated": True}}
     assert served.headers["x-request-id"] == "req-42" and len(fresh.headers["x-request-id"]) == 32
+
+
+async def test_each_request_is_one_access_log_line_with_what_served_it(engines, facts, gateways, caplog):
+    await serving(engines, facts)
+    gateway = await gateways.start()
+    caplog.set_level(logging.INFO, logger="modelpool.access")
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "plain-1"})
+        await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers={"x-request-id": "stream-1"})
+        await client.post("/v1/chat/completions", json={"model": ALIAS}, headers={"x-request-id": "bad-1"})
+    lines = {r["request_id"]: r for r in (json.loads(m.getMessage()) for m in caplog.records if m.name == "modelpool.access")}
+    assert set(lines) == {"plain-1", "stream-1", "bad-1"}
+    plain, stream = lines["plain-1"], lines["stream-1"]
+    for line in (plain, stream):
+        assert line["alias"] == ALIAS and line["status"] == 200 and line["outcome"] == "ok"
+        assert line["instance"] == "f1" and line["backend"] == "llama.cpp" and line["engine"] == "simulated-llama.cpp"
+        assert line["e2e_s"] > 0 and line["queue_s"] >= 0 and line["completion_tokens"] >= 1 and line["prompt_tokens"] >= 1
+    assert stream["stream"] is True and 0 < stream["ttft_s"] <= stream["e2e_s"]
+    assert lines["bad-1"]["status"] == 400 and lines["bad-1"]["outcome"] == "rejected"
+
+
+async def test_an_image_request_reaches_the_simulated_vision_language_engine(engines, facts, gateways):
+    await serving(engines, facts)
+    await facts.route(R.WARMING_VLLM, R.MIXED, R.VLLM_PRIMARY, mix_weight=1.0)
+    gateway = await gateways.start()
+    text_only = {**CHAT, "messages": [{"role": "user", "content": "What is in this picture?"}]}
+    with_image = {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        plain = await client.post("/v1/chat/completions", json=text_only)
+        seen = await client.post("/v1/chat/completions", json=with_image)
+    assert seen.status_code == 200 and seen.headers["x-modelpool-engine"] == "simulated-vllm"
+    # The image reached the engine whole: it counts as the model's image tokens in the prompt.
+    assert seen.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"] + 100
