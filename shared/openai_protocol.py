@@ -146,7 +146,8 @@ class _SamplingParams(_Request):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=128)
+    """Choices to generate; an engine that answers only one refuses more with its own 400."""
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # added for the llama.cpp engine (OpenAI's own field): token id -> bias in [-100, 100]

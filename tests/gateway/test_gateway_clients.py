@@ -149,3 +149,19 @@ async def test_schemathesis_finds_no_server_error_in_the_gateways_own_api(engine
     report = output.decode(errors="replace")
     assert run.returncode == 0, report[-4000:]
     assert "passed" in report.lower()
+
+
+async def test_stop_seed_and_n_reach_llama_cpp_as_the_client_sent_them(llama, facts, gateways):
+    gateway = await on_llama(llama, facts, gateways)
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as client:
+        async def say(**options) -> str:
+            answer = await client.chat.completions.create(model=ALIAS, messages=QUESTION, max_tokens=12, **options)
+            return answer.choices[0].message.content
+
+        whole = await say(temperature=0)
+        last_word = whole.split()[-1]
+        assert await say(temperature=0, stop=[last_word]) == whole[:whole.index(last_word)]
+        assert await say(temperature=1.0, seed=7) == await say(temperature=1.0, seed=7)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await say(n=2)
+    assert refused.value.body["param"] == "n" and refused.value.body["code"] == "unsupported_parameter"

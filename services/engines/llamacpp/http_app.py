@@ -65,6 +65,12 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
 
 
+def _one_choice(body: ChatCompletionRequest | CompletionRequest) -> None:
+    if body.n != 1:
+        raise bad_request("the llama.cpp engine generates one choice per request (n = 1); send n requests",
+                          param="n", code="unsupported_parameter")
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()
@@ -188,6 +194,7 @@ class EngineAPI:
 
     # -- shared request path -------------------------------------------------------
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        _one_choice(body)
         for index, message in enumerate(body.messages):
             for part in message.content if isinstance(message.content, list) else ():
                 if part.get("type") != "text":
@@ -203,6 +210,7 @@ class EngineAPI:
         return self._tokenize(text)
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+        _one_choice(body)
         prompt = body.prompt_text()
         if isinstance(prompt, list):
             backend = self.engine.backend

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,22 +29,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from services.engines.simulated import synthetic
+from services.engines.simulated import shaping, synthetic
 from services.engines.simulated.config import EngineConfig
 from services.engines.simulated.driver import Generation, RealTimeDriver
 from services.engines.simulated.lifecycle import EngineState, Lifecycle, LifecycleError
 from services.engines.simulated.metrics import EngineSnapshot, EngineStats, render_llamacpp, render_vllm
+from services.engines.simulated.shaping import Shape
 from shared.engine_asgi import RAW_SEND_KEY, EngineHeader, TraceRequests
-from shared.telemetry import Telemetry
 from shared.openai_protocol import (
     SSE_DONE,
     APIError,
-    AssistantMessage,
-    ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     ChatDelta,
     CompletionChoice,
     CompletionRequest,
@@ -60,6 +58,7 @@ from shared.openai_protocol import (
     sse,
     validation_error,
 )
+from shared.telemetry import Telemetry
 from simulation.prefix_cache import block_hashes
 
 log = logging.getLogger(__name__)
@@ -175,6 +174,95 @@ class TokenStream:
                 driver.cancel(gen)
 
 
+class ChoicesStream:
+    """The SSE answer of `n` sequences, a tool call, a JSON answer, or one with log-probabilities.
+
+    Each token is its own chunk, built whole (the fast path's pre-encoded frames
+    hold one plain-text choice only). A tool call streams as vLLM streams it: the
+    call's id and name with the first piece of its arguments, then the rest.
+    """
+
+    raw_headers = TokenStream.raw_headers
+
+    def __init__(self, server: "EngineServer", choices: list[tuple[Generation, Shape | None]], k: int | None,
+                 rid: str, created: int, model: str, include_usage: bool) -> None:
+        self._server = server
+        self._choices = choices
+        self._k = k
+        self._head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                      "system_fingerprint": server.engine}
+        self._include_usage = include_usage
+
+    def _chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return b"data: " + orjson.dumps({**self._head, "choices": [choice]}) + b"\n\n"
+
+    def _token(self, index: int, gen: Generation, shape: Shape | None, position: int) -> bytes:
+        text = self._server.token_text(gen, shape, position)
+        if shape and shape.tool_name:
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if position == 0:
+                call = {"index": 0, "id": shape.call_id, "type": "function",
+                        "function": {"name": shape.tool_name, "arguments": text}}
+            delta: dict[str, Any] = {"tool_calls": [call]}
+        else:
+            delta = {"content": text}
+        logprobs = None
+        if self._k is not None:
+            logprobs = {"content": [shaping.logprob_entry(text, gen.text_seed, position, self._k, self._server.filler)]}
+        return self._chunk(index, delta, logprobs=logprobs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        server, choices = self._server, self._choices
+        gens = [gen for gen, _ in choices]
+        watcher = asyncio.ensure_future(self._cancel_on_disconnect(receive, gens))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            send = scope.get(RAW_SEND_KEY, send)
+            opening = b"".join(self._chunk(i, {"role": "assistant", "content": None if shape and shape.tool_name else ""})
+                               for i, (_, shape) in enumerate(choices))
+            await send({"type": "http.response.body", "body": opening, "more_body": True})
+            sent = [0] * len(choices)
+            closed = [False] * len(choices)
+            while True:
+                waiting = [g for i, g in enumerate(gens) if g.emitted == sent[i] and g.finish_reason is None]
+                if len(waiting) == len([c for c in closed if not c]) and waiting:
+                    await server.driver.wait(waiting[0])
+                body = b""
+                for i, (gen, shape) in enumerate(choices):
+                    ready = gen.emitted
+                    body += b"".join(self._token(i, gen, shape, position) for position in range(sent[i], ready))
+                    sent[i] = ready
+                    if gen.finish_reason == "abort":  # the engine gave up: the stream ends unfinished
+                        await send({"type": "http.response.body", "body": body, "more_body": False})
+                        return
+                    if gen.finish_reason is not None and not closed[i]:
+                        finish = "tool_calls" if shape and shape.tool_name and gen.finish_reason == "stop" else gen.finish_reason
+                        body += self._chunk(i, {}, finish)
+                        closed[i] = True
+                if all(closed):
+                    if self._include_usage:
+                        usage = server.usage_of(gens).model_dump(exclude_none=True)
+                        body += b"data: " + orjson.dumps({**self._head, "choices": [], "usage": usage}) + b"\n\n"
+                    await send({"type": "http.response.body", "body": body + SSE_DONE, "more_body": False})
+                    return
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+        finally:
+            watcher.cancel()
+            for gen in gens:
+                if gen.finish_reason is None:
+                    server.driver.cancel(gen)
+
+    async def _cancel_on_disconnect(self, receive: Receive, gens: list[Generation]) -> None:
+        while any(g.finish_reason is None for g in gens):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                for gen in gens:
+                    self._server.driver.cancel(gen)
+                return
+
+
 # --------------------------------------------------------------------------- server
 
 
@@ -273,7 +361,10 @@ class EngineServer:
             raise validation_error(exc) from None
 
     def _generation(self, tokens: list[str] | list[int], limit: int | None, seed: int | None,
-                    ignore_eos: bool, param: str) -> Generation:
+                    ignore_eos: bool, param: str, index: int = 0,
+                    shape_for: Callable[[int], Shape | None] | None = None) -> tuple[Generation, Shape | None]:
+        """One sequence of the answer (`index` of the `n` asked for) and, when the request asks for JSON or a
+        tool call, its shape: then the answer is exactly the shape's tokens, cut only by the limits."""
         config = self.config
         prompt_tokens = len(tokens)
         if prompt_tokens == 0:
@@ -288,8 +379,15 @@ class EngineServer:
                 param=param, code="context_length_exceeded")
         room = max_len - prompt_tokens
         text_seed = synthetic.stable_seed(config.seed, seed, prompt_tokens, *tokens[-32:])
-        natural = synthetic.natural_length(text_seed, config.natural_output_tokens)
-        if limit is None:
+        if index:
+            text_seed = synthetic.stable_seed(text_seed, index)
+        shape = shape_for(text_seed) if shape_for else None
+        natural = len(shape.tokens) if shape else synthetic.natural_length(text_seed, config.natural_output_tokens)
+        if shape:
+            decode, reason = min(natural, room, limit or natural), "stop"
+            if decode < natural:
+                reason = "length"
+        elif limit is None:
             decode, reason = (natural, "stop") if natural <= room else (room, "length")
         elif ignore_eos or limit <= natural:
             decode, reason = limit, "length"
@@ -303,7 +401,7 @@ class EngineServer:
         return Generation(
             request_id=f"sim-{self._next_id}", prompt_tokens=prompt_tokens, decode_length=decode,
             stop_reason=reason, text_seed=text_seed, prefix_hashes=hashes,
-        )
+        ), shape
 
     def _submit(self, gen: Generation) -> None:
         try:
@@ -318,8 +416,12 @@ class EngineServer:
             raise internal_error(f"simulated engine aborted the request: {self.driver.failure!r}")
 
     def usage(self, gen: Generation) -> Usage:
-        cached = gen.cached_tokens if self.config.enable_prefix_caching else None
-        return Usage.of(gen.prompt_tokens, gen.emitted, cached)
+        return self.usage_of([gen])
+
+    def usage_of(self, gens: list[Generation]) -> Usage:
+        """The prompt once (the sequences share it), and every sequence's tokens."""
+        cached = gens[0].cached_tokens if self.config.enable_prefix_caching else None
+        return Usage.of(gens[0].prompt_tokens, sum(g.emitted for g in gens), cached)
 
     async def cancel_on_disconnect(self, receive: Receive, gen: Generation) -> None:
         while gen.finish_reason is None:
@@ -340,26 +442,58 @@ class EngineServer:
 
     # ------------------------------------------------------------ OpenAI routes
 
-    async def chat_completions(self, request: Request) -> Response | TokenStream:
+    async def chat_completions(self, request: Request) -> Response | TokenStream | ChoicesStream:
         self._require_serving()
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_model(req.model)
+        extra = req.model_extra or {}
+        k = shaping.top_logprobs(extra)
         tokens = synthetic.chat_pieces([(m.role, m.content) for m in req.messages])
-        gen = self._generation(tokens, req.output_limit(), req.seed, _ignore_eos(req), "messages")
-        self._submit(gen)
+        choices = [self._generation(tokens, req.output_limit(), req.seed, _ignore_eos(req), "messages", index,
+                                    lambda seed: shaping.shape_of(extra, req.messages, self.filler, seed))
+                   for index in range(req.n)]
+        for gen, _ in choices:
+            self._submit(gen)
         rid, created = new_id("chatcmpl"), now_s()
         if req.stream:
-            frames = chat_frames(rid, created, req.model, self.engine)
-            return TokenStream(self, gen, frames, req.include_usage_in_stream())
-        await self._until_finished(request, gen)
-        self._raise_if_aborted(gen)
-        body = ChatCompletionResponse(
-            id=rid, created=created, model=req.model,
-            choices=[ChatChoice(message=AssistantMessage(content=self.filler.text(gen.text_seed, gen.emitted)),
-                                finish_reason=gen.finish_reason)],
-            usage=self.usage(gen), system_fingerprint=self.engine,
-        )
-        return _json(body)
+            if req.n == 1 and choices[0][1] is None and k is None:  # plain text: the pre-encoded fast path
+                frames = chat_frames(rid, created, req.model, self.engine)
+                return TokenStream(self, choices[0][0], frames, req.include_usage_in_stream())
+            return ChoicesStream(self, choices, k, rid, created, req.model, req.include_usage_in_stream())
+        try:
+            for gen, _ in choices:
+                await self._until_finished(request, gen)
+                self._raise_if_aborted(gen)
+        finally:
+            for gen, _ in choices:
+                if gen.finish_reason is None:
+                    self.driver.cancel(gen)
+        return _json_bytes(orjson.dumps({
+            "id": rid, "object": "chat.completion", "created": created, "model": req.model,
+            "choices": [self._choice(index, gen, shape, k) for index, (gen, shape) in enumerate(choices)],
+            "usage": self.usage_of([gen for gen, _ in choices]).model_dump(exclude_none=True),
+            "system_fingerprint": self.engine,
+        }))
+
+    def token_text(self, gen: Generation, shape: Shape | None, position: int) -> str:
+        return shape.tokens[position] if shape else self.filler.token(gen.text_seed, position).decode()
+
+    def _choice(self, index: int, gen: Generation, shape: Shape | None, k: int | None) -> dict[str, Any]:
+        """One whole choice of a chat answer: text, or a tool call; with log-probabilities if asked."""
+        emitted = gen.emitted
+        text = "".join(shape.tokens[:emitted]) if shape else self.filler.text(gen.text_seed, emitted)
+        finish = gen.finish_reason
+        if shape and shape.tool_name:
+            message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [{
+                "id": shape.call_id, "type": "function", "function": {"name": shape.tool_name, "arguments": text}}]}
+            finish = "tool_calls" if finish == "stop" else finish
+        else:
+            message = {"role": "assistant", "content": text}
+        logprobs = None
+        if k is not None:
+            logprobs = {"content": [shaping.logprob_entry(self.token_text(gen, shape, i), gen.text_seed, i, k, self.filler)
+                                    for i in range(emitted)]}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     async def completions(self, request: Request) -> Response | TokenStream:
         self._require_serving()
@@ -367,7 +501,9 @@ class EngineServer:
         self._check_model(req.model)
         prompt = req.prompt_text()
         tokens: list[str] | list[int] = synthetic.pieces(prompt) if isinstance(prompt, str) else list(prompt)
-        gen = self._generation(tokens, req.output_limit(), req.seed, _ignore_eos(req), "prompt")
+        if req.n != 1:
+            raise bad_request("the simulated engine answers n > 1 on /v1/chat/completions only", param="n")
+        gen, _ = self._generation(tokens, req.output_limit(), req.seed, _ignore_eos(req), "prompt")
         self._submit(gen)
         rid, created = new_id("cmpl"), now_s()
         echo = prompt if req.echo and isinstance(prompt, str) else None
@@ -531,6 +667,10 @@ def _ignore_eos(req: BaseModel) -> bool:
 
 def _json(body: BaseModel) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _json_bytes(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
