@@ -465,24 +465,19 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, rates in result["rates"].items():
-        steps = rates["steps"]
-        left.plot([s["concurrency"] for s in steps], [s["rps"] for s in steps], marker="o", label=name)
-    left.set_xscale("log", base=2)
-    left.set_xlabel("clients (closed loop)")
-    left.set_ylabel("requests/s")
-    left.set_title("Throughput, one short request after another")
-    left.legend()
-    for name, rates in result["rates"].items():
-        steps = rates["steps"]
-        right.plot([s["concurrency"] for s in steps], [s["p99_ms"] for s in steps], marker="o", label=name)
-    right.set_xscale("log", base=2)
-    right.set_yscale("log")
-    right.set_xlabel("clients (closed loop)")
-    right.set_ylabel("p99 latency, ms")
-    right.set_title("Latency at each step")
-    right.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = (("rps", "requests/s", "Throughput, one short request after another", "linear"),
+              ("p99_ms", "p99 latency, ms", "Latency at each step", "log"))
+    for ax, (key, ylabel, title, yscale) in zip(axes, panels):
+        for name, rates in result["rates"].items():
+            steps = rates["steps"]
+            ax.plot([s["concurrency"] for s in steps], [s[key] for s in steps], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale(yscale)
+        ax.set_xlabel("clients (closed loop)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend()
     fig.suptitle("modelpool gateway vs LiteLLM proxy vs the engine itself (simulated vLLM, same machine)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -279,7 +279,7 @@ class Exchange:
         gateway, trace = self.gateway, self.trace
         trace.finished(outcome, self.usage)
         backend = trace.backend.value if trace.backend else "none"
-        gateway.metrics.request(self.alias, backend, outcome.value)
+        gateway.metrics.request(self.alias, backend, outcome.value, self.status)
         if outcome is Outcome.OK and trace.backend is not None:
             gateway.metrics.served(self.alias, backend, trace.ttft_s, trace.ended - trace.arrived, trace.tpot_s)
         if self.slot is not None:

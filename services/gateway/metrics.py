@@ -26,7 +26,7 @@ def _labels(**labels: str) -> str:
 
 class GatewayMetrics:
     def __init__(self) -> None:
-        self.requests: dict[tuple[str, str, str], int] = {}
+        self.requests: dict[tuple[str, str, str, str], int] = {}
         self.waits: dict[tuple[str, str], Histogram] = {}
         self.ttft: dict[tuple[str, str], Histogram] = {}
         self.e2e: dict[tuple[str, str], Histogram] = {}
@@ -35,8 +35,9 @@ class GatewayMetrics:
         self.cold_starts: dict[str, int] = {}
         self.demand_signals: dict[str, int] = {}
 
-    def request(self, alias: str, backend: str, outcome: str) -> None:
-        key = (alias, backend, outcome)
+    def request(self, alias: str, backend: str, outcome: str, status: int | None) -> None:
+        """`status`: the HTTP status the client got (None: it left before any)."""
+        key = (alias, backend, outcome, str(status) if status else "none")
         self.requests[key] = self.requests.get(key, 0) + 1
 
     def served(self, alias: str, backend: str, ttft_s: float | None, e2e_s: float, tpot_s: float | None) -> None:
@@ -64,9 +65,10 @@ class GatewayMetrics:
     def render(self, meter: Meter, waiting: dict[str, int]) -> str:
         out: list[str] = []
         family(out, "modelpool:requests_total", "counter",
-               "Requests by alias, backend that answered (none: the gateway) and outcome.")
-        for (alias, backend, outcome), n in sorted(self.requests.items()):
-            out.append(f"modelpool:requests_total{{{_labels(alias=alias, backend=backend, outcome=outcome)}}} {n}")
+               "Requests by alias, backend that answered (none: the gateway), outcome and HTTP status.")
+        for (alias, backend, outcome, status), n in sorted(self.requests.items()):
+            labels = _labels(alias=alias, backend=backend, outcome=outcome, status=status)
+            out.append(f"modelpool:requests_total{{{labels}}} {n}")
         _histograms(out, "modelpool:request_queue_time_seconds", self.waits, ("alias", "outcome"),
                     "How long requests waited in the gateway for a slot, by how the wait ended.")
         _histograms(out, "modelpool:time_to_first_token_seconds", self.ttft, ("alias", "backend"),

@@ -101,8 +101,8 @@ async def test_a_full_queue_answers_429_and_a_wait_past_the_queue_timeout_408(tm
     assert timed_out.status_code == 408 and 0.55 < waited < 1.5
     assert timed_out.json()["error"]["code"] == "request_timeout"
     text = await gateway.metrics()
-    assert metric(text, "modelpool:requests_total", alias=ALIAS, backend="none", outcome="queue_full") == 1
-    assert metric(text, "modelpool:requests_total", alias=ALIAS, backend="none", outcome="queue_timeout") == 1
+    assert metric(text, "modelpool:requests_total", alias=ALIAS, backend="none", outcome="queue_full", status="429") == 1
+    assert metric(text, "modelpool:requests_total", alias=ALIAS, backend="none", outcome="queue_timeout", status="408") == 1
     assert metric(text, "modelpool:request_queue_time_seconds_count", alias=ALIAS, outcome="timeout") == 1
 
 

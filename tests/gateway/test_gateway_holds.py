@@ -181,7 +181,9 @@ async def test_a_client_that_leaves_while_held_is_let_go(facts, gateways):
     await asyncio.sleep(1.3)
     assert len(demand) == signals
     text = await gateway.metrics()
-    assert re.search(r'modelpool:requests_total\{alias="tiny",backend="none",outcome="client_left"\} 2', text)
+    # The streaming client had its 200 and SSE headers, the other nothing yet.
+    assert re.search(r'modelpool:requests_total\{alias="tiny",backend="none",outcome="client_left",status="200"\} 1', text)
+    assert re.search(r'modelpool:requests_total\{alias="tiny",backend="none",outcome="client_left",status="none"\} 1', text)
 
 
 async def test_the_openai_sdk_waits_through_a_hold(engines, facts, gateways):
