@@ -1,0 +1,74 @@
+"""The agentic trace: its format read back strictly, and the generator's shape against seed 004's production trace."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shared.contracts.config import ConfigError
+from shared.contracts.trace import TraceRequest, read_trace, write_trace
+from simulation.agentic import SEED_SKEW, AgenticShape, generate_agentic, io_ratio, prompt_tokens, skew
+
+
+def test_the_generator_reproduces_the_seeds_skew_ratio_and_turns_per_session():
+    requests = generate_agentic(AgenticShape(sessions=20_000), seed=3)
+    shares = skew(requests)
+    for top, share in SEED_SKEW.items():
+        assert share - 0.04 <= shares[top] <= share + 0.04, (top, shares[top])
+    assert io_ratio(requests) == pytest.approx(75.0, rel=0.02)
+    assert 1.4 <= len(requests) / 20_000 <= 1.9  # the seed's 2.1 M requests over 1.3 M sessions
+
+
+def test_a_seed_gives_the_same_trace_and_prompts_grow_by_answer_and_new_input():
+    shape = AgenticShape(sessions=300, span_s=60.0, shared_prefix_share=0.5)
+    first, again, other = (generate_agentic(shape, seed) for seed in (5, 5, 6))
+    assert first == again and first != other
+    starts = [r.delay_s for r in first if r.turn == 0]
+    assert starts == sorted(starts) and all(0 <= s <= 60 for s in starts)
+    assert any(r.shared_prefix_id == "system-0" for r in first) and all(
+        r.shared_prefix_id is None for r in first if r.turn > 0)
+    prompts = prompt_tokens(first)
+    by_session: dict[str, list[TraceRequest]] = {}
+    for r in first:
+        by_session.setdefault(r.session_id, []).append(r)
+    long_session = max(by_session.values(), key=len)
+    assert len(long_session) >= 3
+    for before, after in zip(long_session, long_session[1:]):
+        assert prompts[(after.session_id, after.turn)] == (
+            prompts[(before.session_id, before.turn)] + before.output_tokens + after.new_input_tokens)
+
+
+def test_a_trace_file_round_trips_and_a_bad_line_is_named(tmp_path):
+    requests = generate_agentic(AgenticShape(sessions=50), seed=1)
+    path = tmp_path / "trace.jsonl"
+    assert write_trace(requests, path) == len(requests)
+    assert read_trace(path) == requests
+
+    cases = {
+        '{"session_id": "a", "turn": 0, "delay_s": 0, "new_input_tokens": 0, "output_tokens": 3}': "new_input_tokens",
+        '{"session_id": "a", "turn": 0, "delay_s": 0, "output_tokens": 3}': "new_input_tokens",
+        '{"session_id": "a", "turn": 1, "delay_s": 0, "new_input_tokens": 5, "output_tokens": 3}': "turn",
+        '{"session_id": "a", "turn": 0, "delay_s": 0, "new_input_tokens": 5, "output_tokens": 3, "x": 1}': "x",
+        '{"session_id": "a", "turn": 0': "<line>",
+    }
+    for line, field in cases.items():
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"session_id": "b", "turn": 0, "delay_s": 1, "new_input_tokens": 5, "output_tokens": 3}\n' + line + "\n")
+        with pytest.raises(ConfigError) as raised:
+            read_trace(bad)
+        assert raised.value.field == field and "line 2" in str(raised.value), (line, str(raised.value))
+
+
+def test_modelpool_trace_generate_writes_a_readable_trace_and_says_its_shape(tmp_path):
+    out = tmp_path / "agentic.jsonl"
+    run = subprocess.run([sys.executable, "-m", "services.cli", "trace", "generate", "--sessions", "500", "--seed", "2",
+                          "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    requests = read_trace(out)
+    assert summary["requests"] == len(requests) and summary["sessions"] == 500
+    assert summary["io_ratio"] == pytest.approx(75.0, rel=0.05) and set(summary["top_share_of_input"]) == {
+        "1%", "5%", "10%", "25%", "50%"}
