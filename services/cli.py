@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("services.ops.replay", "rebuild projections from the log and compare them; --verify-decisions re-runs decisions"),
     "load": ("services.ops.load", "steady concurrent load on an alias, to watch the pool respond"),
     "sim": ("simulation.cli", "offline decode simulator: generate, run, compare, truncate, fluid-limit"),
-    "trace": ("services.ops.trace", "agentic traces in seed 004's format: generate"),
+    "trace": ("services.ops.trace", "agentic traces in seed 004's format: generate, run (closed-loop replay)"),
     "engine": ("services.engines.cli", "run an inference engine: `engine llama.cpp` or `engine sim`"),
 }
 

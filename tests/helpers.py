@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from shared.net import free_port
 
 
 async def eventually(predicate, timeout: float = 10.0, interval: float = 0.05):
@@ -88,3 +98,48 @@ class consuming:
 
     async def __aexit__(self, *exc) -> None:
         await self.broker.stop()
+
+
+# --------------------------------------------------------------------------- simulated engines
+
+
+@dataclass
+class EngineProcess:
+    """`modelpool engine sim` as a child process."""
+
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_engine(log_dir: Path, profile: str, alias: str, *options: str, env: dict[str, str] | None = None) -> EngineProcess:
+    port = free_port()
+    log_path = log_dir / f"engine-{profile}-{port}.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "engine", "sim", "--profile", profile, "--port", str(port),
+         "--model", alias, "--startup-s", "0", *options],
+        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
+    )
+    return EngineProcess(f"http://127.0.0.1:{port}", proc, log_path)
+
+
+def wait_healthy(engines: list[EngineProcess], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    for engine in engines:
+        while True:
+            try:
+                if httpx.get(f"{engine.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if engine.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"engine {engine.url} did not start:\n{engine.log_path.read_text()[-2000:]}")
+            time.sleep(0.1)

@@ -8,16 +8,13 @@ events the way it does in a deployment (log -> relay -> bus -> catch-up).
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
+from helpers import EngineProcess, start_engine, wait_healthy  # the gateway tests' engines, imported from here
 from services.gateway.main import serve
 from services.runtime import ServiceContext, open_context
 from shared.bus.relay import Relay
@@ -34,49 +31,7 @@ FAST, SLOW = BackendType.LLAMA_CPP, BackendType.VLLM
 ALIAS = "tiny"
 
 
-# --------------------------------------------------------------------------- engines
-
-
-@dataclass
-class EngineProcess:
-    """`modelpool engine sim` as a child process."""
-
-    url: str
-    proc: subprocess.Popen
-    log_path: Path
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def start_engine(log_dir: Path, profile: str, alias: str, *options: str, env: dict[str, str] | None = None) -> EngineProcess:
-    port = free_port()
-    log_path = log_dir / f"engine-{profile}-{port}.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "engine", "sim", "--profile", profile, "--port", str(port),
-         "--model", alias, "--startup-s", "0", *options],
-        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
-    )
-    return EngineProcess(f"http://127.0.0.1:{port}", proc, log_path)
-
-
-def wait_healthy(engines: list[EngineProcess], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    for engine in engines:
-        while True:
-            try:
-                if httpx.get(f"{engine.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if engine.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"engine {engine.url} did not start:\n{engine.log_path.read_text()[-2000:]}")
-            time.sleep(0.1)
+# --------------------------------------------------------------------------- engines: `helpers.py`
 
 
 # --------------------------------------------------------------------------- the log

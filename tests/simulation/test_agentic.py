@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 
+import httpx
 import pytest
 
+from helpers import start_engine, wait_healthy
+from services.ops.trace_replay import Replay, summarise
 from shared.contracts.config import ConfigError
 from shared.contracts.trace import TraceRequest, read_trace, write_trace
 from simulation.agentic import SEED_SKEW, AgenticShape, generate_agentic, io_ratio, prompt_tokens, skew
@@ -72,3 +76,33 @@ def test_modelpool_trace_generate_writes_a_readable_trace_and_says_its_shape(tmp
     assert summary["requests"] == len(requests) and summary["sessions"] == 500
     assert summary["io_ratio"] == pytest.approx(75.0, rel=0.05) and set(summary["top_share_of_input"]) == {
         "1%", "5%", "10%", "25%", "50%"}
+
+
+def test_a_replay_is_closed_loop_and_measures_what_it_says(tmp_path):
+    """Against a simulated vLLM (its own process, prefix caching on), as any user would point it at an endpoint."""
+
+    requests = generate_agentic(AgenticShape(sessions=12, span_s=1.0, alpha=1.2, max_turns=4, new_input_tokens=60,
+                                             tool_time_s=0.2), seed=4)
+    assert any(r.turn >= 2 for r in requests)
+    engine = start_engine(tmp_path, "vllm", "agent", "--speedup", "20")
+    try:
+        wait_healthy([engine])
+
+        async def replay():
+            async with httpx.AsyncClient(timeout=60) as client:
+                run = Replay(engine.url, "agent", client)
+                return run, await run.run(requests)
+        run, wall = asyncio.run(replay())
+    finally:
+        engine.stop()
+    summary = summarise(run.served, requests, wall)
+    assert summary["answered"] == len(requests) and summary["failed"] == 0
+    by_turn = {(s.session_id, s.turn): s for s in run.served}
+    delays = {(r.session_id, r.turn): r.delay_s for r in requests}
+    for (session, turn), served in by_turn.items():
+        if turn:  # a turn starts only after its predecessor's answer and its tool time
+            before = by_turn[(session, turn - 1)]
+            assert served.sent >= before.done + delays[(session, turn)] - 0.005
+            assert served.cached_tokens > 0  # the previous turn's prompt and answer were reused
+    assert 0 < summary["apc"] <= summary["apc_upper_bound_intra_session"] <= 1
+    assert summary["amplification"] > 1 and summary["ttft_s"]["p50"] > 0 and summary["tpot_s"]["p50"] > 0
