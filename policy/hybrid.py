@@ -102,7 +102,10 @@ def load_of(s: AliasSnapshot) -> Load:
         inflight_fast=m.inflight_fast, inflight_slow=m.inflight_slow, waiting=max(s.demand, m.held),
         arrivals=m.arrivals, queue_wait_p95=m.queue_wait_p95_s, e2e_p95_fast=m.e2e_p95_fast_s,
         e2e_p95_slow=m.e2e_p95_slow_s, slow_failures=m.errors_slow + m.timeouts_slow, measured=True,
-        queued=m.queue_len,
+        # Waiting for a slot on a running instance is load; waiting for the first one to start is a cold start
+        # (its demand starts one instance, and the held wave is served once it runs). So the queue counts
+        # only in a window with an instance running from its start.
+        queued=m.queue_len if any(i.state is RUNNING and i.state_since <= m.window_start for i in s.instances) else 0.0,
     )
 
 

@@ -60,6 +60,15 @@ def test_cold_alias_waits_for_demand_then_starts_exactly_one_fast_instance():
     assert len([c for c in w.commands_sent if c[0] is Action.START]) == 1
 
 
+def test_a_wave_held_through_the_cold_start_is_not_load_one_instance_starts():
+    # The gateways hold the wave while nothing runs: their windows say 8 waiting all along.
+    w = World()
+    w.tick(1, demand=8)
+    while not w.of(FAST, S.RUNNING):  # the last of these windows, the one it came up in, held the wave too
+        w.run(1, step=1, arrivals=8, queue_len=8.0, held=8)
+    assert len([c for c in w.commands_sent if c[0] is Action.START]) == 1
+
+
 def test_an_alias_without_a_fast_tier_is_served_by_vllm_from_cold():
     w = World(config=alias_config(fast=None))
     d = w.tick(1, demand=1)
@@ -126,6 +135,7 @@ def test_requests_waiting_in_the_gateways_count_as_load():
     d = w.run(2, inflight_fast=4.0, queue_len=6.0)[-1]  # L_target = ceil((4 + 6) / 4) = 3, bounded to 2
     assert d.targets[FAST] == 2 and "ceil(max(0, 10 - C_eff 0) / C_l 4)" in d.targets_reason
     w = fast_only()
+    assert w.of(FAST, S.RUNNING)  # requests wait for a slot, not for a start
     assert w.run(2, inflight_fast=1.0, queue_len=0.0)[-1].routing is None
     w.run(4, inflight_fast=1.0, queue_len=3.0)  # inflight_total 4 >= C_prepare 3, two windows running
     assert w.routing is R.WARMING_VLLM
