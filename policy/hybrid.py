@@ -105,7 +105,8 @@ def load_of(s: AliasSnapshot) -> Load:
         # Waiting for a slot on a running instance is load; waiting for the first one to start is a cold start
         # (its demand starts one instance, and the held wave is served once it runs). So the queue counts
         # only in a window with an instance running from its start.
-        queued=m.queue_len if any(i.state is RUNNING and i.state_since <= m.window_start for i in s.instances) else 0.0,
+        queued=m.queue_len if m.queue_len and any(
+            i.state is RUNNING and i.state_since <= m.window_start for i in s.instances) else 0.0,
     )
 
 
