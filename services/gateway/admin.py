@@ -15,19 +15,19 @@ the alias's targets still want it.
 
 from __future__ import annotations
 
-import hmac
 import uuid
 from datetime import datetime
 from typing import Any
 
+import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.gateway.edge import error_response, http_error, unauthorized, unexpected_error
-from services.ops.history import load_history, summarize
-from services.ops.status import load_status
+from services.gateway.edge import Keys, error_response, http_error, unexpected_error
+from services.ops.history import summarize
+from services.ops.status import read_live, read_status
 from services.runtime import ServiceContext
 from shared.bus.jetstream import publish
 from shared.contracts.commands import DrainInstance
@@ -41,24 +41,21 @@ DRAIN_TIMEOUT_S = 120.0
 
 
 def create_admin_app(ctx: ServiceContext, view: LiveView, token: str) -> Starlette:
-    expected = token.encode()
-
-    def check(request: Request) -> None:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            raise unauthorized("the admin API needs `Authorization: Bearer <MODELPOOL_ADMIN_TOKEN>`")
+    keys = Keys(frozenset({token}))
 
     def guarded(handler):
         async def endpoint(request: Request) -> Response:
             try:
-                check(request)
+                keys.check(request)
                 return await handler(request)
             except APIError as exc:
                 return error_response(exc)
         return endpoint
 
     async def status(_: Request) -> Response:
-        return JSONResponse(_jsonable(await load_status(ctx.settings)))
+        answer = await read_status(ctx.engine, ctx.settings.namespace)
+        answer["live"] = await read_live(ctx.telemetry_bus)
+        return _json(answer)
 
     async def history(request: Request) -> Response:
         alias = request.path_params["alias"]
@@ -67,14 +64,13 @@ def create_admin_app(ctx: ServiceContext, view: LiveView, token: str) -> Starlet
                             for k in ("since", "until"))
         except ValueError as exc:
             raise bad_request(f"since / until must be ISO 8601 times: {exc}", param="since") from None
-        events = await load_history(ctx.settings, alias, since, until)
-        return JSONResponse({"alias": alias, "events": [
-            {"at": e.occurred_at.isoformat(), "type": e.type, "position": e.position, "summary": summarize(e)}
-            for e in events]})
+        events = await ctx.store.history(alias, since=since, until=until)
+        return _json({"alias": alias, "events": [
+            {"at": e.occurred_at, "type": e.type, "position": e.position, "summary": summarize(e)} for e in events]})
 
     async def instances(_: Request) -> Response:
         rows = sorted(view[INSTANCES].values(), key=lambda r: (r["alias"], r["backend_type"], r["instance_id"]))
-        return JSONResponse({"instances": _jsonable(rows)})
+        return _json({"instances": rows})
 
     async def drain(request: Request) -> Response:
         instance_id = request.path_params["instance_id"]
@@ -103,9 +99,5 @@ def create_admin_app(ctx: ServiceContext, view: LiveView, token: str) -> Starlet
     )
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return value.isoformat() if isinstance(value, datetime) else value
+def _json(value: Any) -> Response:
+    return Response(orjson.dumps(value), media_type="application/json")  # orjson writes datetimes as ISO 8601

@@ -135,9 +135,13 @@ def upstream_error(body: bytes, status: int) -> APIError:
     return APIError(status, body.decode(errors="replace")[:1000] or f"engine answered {status}", type="api_error")
 
 
+def what_failed(exc: BaseException) -> str:
+    return "went silent longer than the read timeout" if isinstance(exc, asyncio.TimeoutError) else "broke"
+
+
 def instance_failed(instance_id: str, exc: BaseException) -> APIError:
-    what = "went silent longer than the read timeout" if isinstance(exc, asyncio.TimeoutError) else "failed while answering"
-    return APIError(502, f"instance {instance_id} {what}: {exc!r}", type="api_error", code="instance_failed")
+    return APIError(502, f"instance {instance_id} {what_failed(exc)} while answering: {exc!r}", type="api_error",
+                    code="instance_failed")
 
 
 class Refused(Exception):
@@ -464,9 +468,8 @@ class Exchange:
                     await self._send(send, events)
         except UPSTREAM_ERRORS as exc:
             log.warning("stream of %s from %s broke: %r", self.alias, self.slot.instance_id, exc)  # type: ignore[union-attr]
-            what = "went silent longer than the read timeout" if isinstance(exc, asyncio.TimeoutError) else "broke"
-            await self._send(send, error_event(APIError(502, f"the instance's stream {what}: {exc!r}", type="api_error",
-                                                        code="stream_broken")), more=False)
+            await self._send(send, error_event(APIError(502, f"the instance's stream {what_failed(exc)}: {exc!r}",
+                                                        type="api_error", code="stream_broken")), more=False)
             return Outcome.ENGINE_ERROR
         self.read_whole = True
         rest, chunks = scanner.flush()

@@ -14,6 +14,8 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncEngine
+
 from shared.bus.jetstream import connect_once
 from shared.bus.subjects import Subjects
 from shared.bus.telemetry import TelemetryBus
@@ -25,6 +27,16 @@ from shared.settings import Settings
 LIVE_TIMEOUT_S = 3.0
 
 
+async def read_live(bus: TelemetryBus) -> dict[str, Any]:
+    """Each worker's last heartbeat and each alias's outlook, as the bus keeps them."""
+    heartbeats = await bus.heartbeats()
+    outlooks = await bus.outlooks()
+    return {
+        "heartbeats": {w: hb.model_dump(mode="json") for w, hb in heartbeats.items()},
+        "outlooks": {a: o.model_dump(mode="json") for a, o in outlooks.items()},
+    }
+
+
 async def load_live(settings: Settings) -> dict[str, Any]:
     """Heartbeats and outlooks from the bus; empty, with the reason, when the bus cannot be reached."""
     try:
@@ -34,30 +46,30 @@ async def load_live(settings: Settings) -> dict[str, Any]:
     try:
         bus = TelemetryBus(nc, nc.jetstream(), Subjects(settings.namespace))
         await bus.ensure()
-        heartbeats = await bus.heartbeats()
-        outlooks = await bus.outlooks()
-        return {
-            "heartbeats": {w: hb.model_dump(mode="json") for w, hb in heartbeats.items()},
-            "outlooks": {a: o.model_dump(mode="json") for a, o in outlooks.items()},
-        }
+        return await read_live(bus)
     finally:
         await nc.close()
+
+
+async def read_status(engine: AsyncEngine, namespace: str) -> dict[str, Any]:
+    """The read models an operator asks about: workers, aliases, the controller's commands, instances."""
+    async with engine.connect() as conn:
+        return {
+            "namespace": namespace,
+            "position": await load_position(conn, ROUTING.name),
+            "workers": sorted((await load_rows(conn, WORKERS)).values(), key=lambda r: r["worker_id"]),
+            "aliases": sorted((await load_rows(conn, ROUTING)).values(), key=lambda r: r["alias"]),
+            "control": await load_rows(conn, CONTROL),
+            "instances": sorted(
+                (await load_rows(conn, INSTANCES)).values(), key=lambda r: (r["alias"], r["backend_type"], r["instance_id"])
+            ),
+        }
 
 
 async def load_status(settings: Settings) -> dict[str, Any]:
     engine = create_engine(settings, pool_size=1)
     try:
-        async with engine.connect() as conn:
-            status = {
-                "namespace": settings.namespace,
-                "position": await load_position(conn, ROUTING.name),
-                "workers": sorted((await load_rows(conn, WORKERS)).values(), key=lambda r: r["worker_id"]),
-                "aliases": sorted((await load_rows(conn, ROUTING)).values(), key=lambda r: r["alias"]),
-                "control": await load_rows(conn, CONTROL),
-                "instances": sorted(
-                    (await load_rows(conn, INSTANCES)).values(), key=lambda r: (r["alias"], r["backend_type"], r["instance_id"])
-                ),
-            }
+        status = await read_status(engine, settings.namespace)
     finally:
         await engine.dispose()
     status["live"] = await load_live(settings)

@@ -215,7 +215,7 @@ class ChoicesStream:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         server, choices = self._server, self._choices
         gens = [gen for gen, _ in choices]
-        watcher = asyncio.ensure_future(self._cancel_on_disconnect(receive, gens))
+        watcher = asyncio.ensure_future(server.cancel_on_disconnect(receive, *gens))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             send = scope.get(RAW_SEND_KEY, send)
@@ -253,14 +253,6 @@ class ChoicesStream:
             for gen in gens:
                 if gen.finish_reason is None:
                     server.driver.cancel(gen)
-
-    async def _cancel_on_disconnect(self, receive: Receive, gens: list[Generation]) -> None:
-        while any(g.finish_reason is None for g in gens):
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                for gen in gens:
-                    self._server.driver.cancel(gen)
-                return
 
 
 # --------------------------------------------------------------------------- server
@@ -423,11 +415,13 @@ class EngineServer:
         cached = gens[0].cached_tokens if self.config.enable_prefix_caching else None
         return Usage.of(gens[0].prompt_tokens, sum(g.emitted for g in gens), cached)
 
-    async def cancel_on_disconnect(self, receive: Receive, gen: Generation) -> None:
-        while gen.finish_reason is None:
+    async def cancel_on_disconnect(self, receive: Receive, *gens: Generation) -> None:
+        """Cancel the answer's sequences when the client leaves before they are done."""
+        while any(gen.finish_reason is None for gen in gens):
             message = await receive()
             if message["type"] == "http.disconnect":
-                self.driver.cancel(gen)
+                for gen in gens:
+                    self.driver.cancel(gen)
                 return
 
     async def _until_finished(self, request: Request, gen: Generation) -> None:
