@@ -110,3 +110,37 @@ def skew(requests: list[TraceRequest]) -> dict[float, float]:
 
 def io_ratio(requests: list[TraceRequest]) -> float:
     return sum(prompt_tokens(requests).values()) / sum(r.output_tokens for r in requests)
+
+
+@dataclass(frozen=True)
+class BurstyShape:
+    """Independent requests (one turn each) for open-loop replay: a steady rate with bursts on top, seeded."""
+
+    requests: int = 2000
+    span_s: float = 600.0
+    bursts: int = 6
+    """Bursts over the span, each starting at a random time."""
+    burst_s: float = 10.0
+    burst_share: float = 0.5
+    """Fraction of the requests that arrive inside bursts (the rest uniformly over the span)."""
+    input_tokens: float = 1500.0
+    """Median prompt length (lognormal, `new_input_sigma` of the agentic shape)."""
+    output_tokens: float = 20.0
+    """Median answer length (lognormal)."""
+
+
+def generate_bursty(shape: BurstyShape, seed: int) -> list[TraceRequest]:
+    """Every request, in arrival order; each is its own session's turn 0, `delay_s` its arrival."""
+    if shape.bursts < 1 or not 0.0 <= shape.burst_share <= 1.0:
+        raise ValueError("bursts must be at least 1 and burst_share within [0, 1]")
+    rng = np.random.default_rng(seed)
+    n = shape.requests
+    in_burst = rng.random(n) < shape.burst_share
+    burst_starts = rng.uniform(0.0, max(0.0, shape.span_s - shape.burst_s), shape.bursts)
+    arrivals = np.where(in_burst, burst_starts[rng.integers(0, shape.bursts, n)] + rng.uniform(0.0, shape.burst_s, n),
+                        rng.uniform(0.0, shape.span_s, n))
+    inputs = np.maximum(1, np.rint(rng.lognormal(np.log(shape.input_tokens), 0.6, n)))
+    outputs = np.maximum(1, np.rint(rng.lognormal(np.log(shape.output_tokens), 0.5, n)))
+    order = np.argsort(arrivals)
+    return [TraceRequest(session_id=f"r{i}", turn=0, delay_s=round(float(arrivals[k]), 3), new_input_tokens=int(inputs[k]),
+                         output_tokens=int(outputs[k])) for i, k in enumerate(order)]

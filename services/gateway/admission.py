@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.meter import Meter
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.routing import Router, Slot
+from services.gateway.routing import NO_PROMPT, Ask, Router, Slot
 from shared.contracts.messages import utcnow
 from shared.contracts.telemetry import DemandSignal
 
@@ -44,6 +44,7 @@ class Waiter:
     """One queued request: its slot arrives through `granted`."""
 
     alias: str
+    ask: Ask
     entered: float
     granted: asyncio.Future[Slot]
     claimed: bool = False
@@ -83,18 +84,19 @@ class Admission:
         self.clock = clock
         self.queues: dict[str, AliasQueue] = {}
 
-    def admit(self, alias: str) -> Slot | Waiter:
+    def admit(self, alias: str, ask: Ask = NO_PROMPT) -> Slot | Waiter:
         """A slot now, or a place at the end of the alias's queue; `QueueFull` when the queue is full."""
         queue = self.queues.get(alias)
-        if queue is None or not queue.waiters:  # nobody waits ahead of this request
-            slot = self.router.take(alias)
+        # Nobody waits ahead of this request, or those who do wait for their session's instance only.
+        if queue is None or not queue.waiters or self.router.scheduler(alias).per_session:
+            slot = self.router.take(alias, ask)
             if slot is not None:
                 return slot
         if queue is None:
             queue = self.queues[alias] = AliasQueue(alias)
         if len(queue.waiters) >= self.queue_size:
             raise QueueFull(alias, len(queue.waiters), self.retry_after_s(queue))
-        waiter = Waiter(alias, self.clock(), asyncio.get_running_loop().create_future())
+        waiter = Waiter(alias, ask, self.clock(), asyncio.get_running_loop().create_future())
         queue.waiters.append(waiter)
         self.meter.of(alias).add_held(1)
         self._note_cold(queue)
@@ -135,21 +137,29 @@ class Admission:
             self.pump(alias)
 
     def pump(self, alias: str) -> None:
-        """Hand free slots to the alias's waiters, head first, for as long as there are both."""
+        """Hand free slots to the alias's waiters, head first, for as long as there are both.
+
+        Where a request may go depends on its session (sticky, affinity, EAR), a
+        waiter whose instance is full does not hold back those behind it that may
+        go elsewhere: each instance still serves its own waiters in arrival order.
+        """
         queue = self.queues.get(alias)
         if queue is None:
             return
-        while queue.waiters:
-            slot = self.router.take(alias)
+        per_session = self.router.scheduler(alias).per_session
+        for waiter in list(queue.waiters):
+            slot = self.router.take(alias, waiter.ask)
             if slot is None:
-                self._note_cold(queue)
-                return
-            waiter = queue.waiters.popleft()
+                if per_session:
+                    continue
+                break
+            queue.waiters.remove(waiter)
             waiter.granted.set_result(slot)
             queue.departures.append(self.clock())
             if queue.cold:
                 queue.cold = False
                 self.metrics.cold_start(alias)
+        self._note_cold(queue)
 
     def waiting(self, alias: str) -> int:
         queue = self.queues.get(alias)

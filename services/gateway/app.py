@@ -48,7 +48,9 @@ from services.gateway.edge import (
 from services.gateway.meter import Meter, Outcome, RequestTrace, outcome_of
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
-from services.gateway.routing import Router, Slot
+from services.gateway.prompts import SESSION_HEADER, read_prompt
+from services.gateway.routing import Ask, Router, Slot
+from services.gateway.sessions import Sessions
 from services.gateway.sse import EventScanner, Usage, usage_of_body
 from services.gateway.starts import StartTimes
 from shared.bus.telemetry import TelemetryBus
@@ -69,7 +71,7 @@ from shared.openai_protocol import (
     too_many_requests,
 )
 from shared.projections.live import LiveView
-from shared.projections.readmodels import ROUTING
+from shared.projections.readmodels import ROUTING, SESSIONS
 from shared.settings import Settings
 from shared.telemetry import Telemetry
 
@@ -170,7 +172,8 @@ class Gateway:
         self.configured = {a.alias: a.model_dump(mode="json") for a in pool.aliases}
         self.gateway_id = gateway_id(settings)
         self.clock = time.monotonic
-        self.router = Router(view, random.Random(), frozenset(self.configured))
+        self.sessions = Sessions(view.store, self.clock)
+        self.router = Router(view, random.Random(), self.configured, self.sessions)
         self.meter = Meter(self.gateway_id, settings.metric_window_s, self.clock)
         self.metrics = GatewayMetrics()
         self.starts = StartTimes(settings.hold_timeout_s)
@@ -180,15 +183,21 @@ class Gateway:
     async def start(self) -> None:
         """Read past start times, then follow the view; call after the view has loaded and before serving."""
         await self.starts.load(self.view.engine, list(self.view[ROUTING]), self.view.position)
+        self.sessions.load(self.view[SESSIONS])
         self.view.add_listener(self.view_advanced)
 
     def view_advanced(self, events: Sequence[RawEvent]) -> None:
+        self.sessions.apply(events)
         self.router.view_advanced()  # first: admission asks the router
         self.starts.apply(events)
         self.admission.view_advanced()
 
     async def publish_windows(self, stop: asyncio.Event) -> None:
         await self.meter.run(lambda: list(self.view[ROUTING]), self.bus.publish_window, stop)
+
+    async def release_sessions(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
+        """Release the sessions this replica served that have idled past their router's `session_idle_s`."""
+        await self.sessions.run_releases(lambda alias: self.router.router_config(alias).session_idle_s, stop, every_s)
 
     async def exchange(self, request: Request, path: str) -> Exchange | Response:
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
@@ -209,8 +218,10 @@ class Gateway:
             # again unless the client asked for it too.
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         trace_headers = {k: request.headers[k] for k in TRACE_HEADERS if k in request.headers} if self.telemetry.tracing else {}
+        prompt = read_prompt(routed.model, body, request.headers.get(SESSION_HEADER))
+        ask = Ask(prompt, self.router.tokens.tokens(routed.model, prompt.size_bytes))
         return Exchange(self, routed.model, path, orjson.dumps(body), routed.stream, routed.include_usage, request_id,
-                        trace_headers)
+                        trace_headers, ask)
 
 
 class Exchange:
@@ -222,8 +233,9 @@ class Exchange:
     """
 
     def __init__(self, gateway: Gateway, alias: str, path: str, payload: bytes, stream: bool, keep_usage: bool,
-                 request_id: str, trace_headers: dict[str, str]) -> None:
+                 request_id: str, trace_headers: dict[str, str], ask: Ask) -> None:
         self.gateway = gateway
+        self.ask = ask
         self.alias = alias
         self.path = path
         self.payload = payload
@@ -287,6 +299,10 @@ class Exchange:
         if outcome is Outcome.OK and trace.backend is not None:
             gateway.metrics.served(self.alias, backend, trace.ttft_s, trace.ended - trace.arrived, trace.tpot_s)
         if self.slot is not None:
+            if self.usage is not None and outcome is Outcome.OK:
+                gateway.router.tokens.observe(self.alias, self.ask.prompt.size_bytes, self.usage[0])
+                if self.slot.binds:
+                    gateway.sessions.seen(self.ask.prompt.session_id, self.usage[0] + self.usage[1])
             gateway.admission.release(self.slot)
         if self.upstream is not None:
             if self.read_whole:
@@ -304,7 +320,8 @@ class Exchange:
         record = {
             "request_id": self.request_id, "alias": self.alias, "path": self.path, "stream": self.stream,
             "status": self.status, "outcome": outcome.value, "instance": instance, "backend": backend,
-            "engine": self.engine, "retries": self.retries,
+            "engine": self.engine, "retries": self.retries, "session": self.ask.prompt.session_id,
+            "moved_from": self.slot.moved_from if self.slot else None,
             "queue_s": round(trace.dispatched_at - trace.arrived, 4) if trace.dispatched_at is not None else None,
             "ttft_s": round(trace.ttft_s, 4) if trace.ttft_s is not None else None,
             "e2e_s": round(trace.ended - trace.arrived, 4),
@@ -315,8 +332,7 @@ class Exchange:
 
     async def _serve(self, send: Send) -> Outcome:
         try:
-            admitted = self.gateway.admission.admit(self.alias)
-            self.slot = admitted if isinstance(admitted, Slot) else await self._wait(send, admitted)
+            self.slot = await self._place(send)
             self.upstream = await self._connect()
         except Refused as refused:
             await self._refuse(send, refused.error)
@@ -327,6 +343,32 @@ class Exchange:
                 full.retry_after_s))
             return Outcome.QUEUE_FULL
         return await self._relay(send, self.upstream)
+
+    async def _place(self, send: Send) -> Slot:
+        """A slot, admitted at once or after waiting, with the session's binding recorded where the router binds.
+
+        Only a session's first request and a move write to the log. When another
+        replica bound the session first, its binding wins: the slot is given back
+        and the request placed again, on the winner's host.
+        """
+        admission = self.gateway.admission
+        for attempt in range(3):
+            admitted = admission.admit(self.alias, self.ask)
+            slot = admitted if isinstance(admitted, Slot) else await self._wait(send, admitted)
+            if not slot.binds or await self._record_session(slot) == slot.instance_id or attempt == 2:
+                return slot
+            admission.release(slot)
+        raise AssertionError("unreachable")
+
+    async def _record_session(self, slot: Slot) -> str:
+        """Bind the session to the slot's instance, or record its move there; the host the log then names."""
+        sessions, session_id = self.gateway.sessions, self.ask.prompt.session_id
+        if slot.moved_from is not None:
+            self.gateway.metrics.session_moved(self.alias, slot.reason)
+            return await sessions.migrate(session_id, self.alias, slot.moved_from, slot.instance_id, slot.reason, {})
+        if session_id not in sessions.bindings:
+            return await sessions.bind(session_id, self.alias, slot.instance_id)
+        return slot.instance_id
 
     async def _wait(self, send: Send, waiter: Waiter) -> Slot:
         """Wait in the alias's queue for a slot; raise `Refused` when the wait's budget runs out first.
@@ -395,7 +437,7 @@ class Exchange:
                 if response.status != 503 or self.retries:
                     return response
                 reason = "unavailable"
-            other = None if self.retries else gateway.router.take_in(self.alias, slot.backend, frozenset(tried))
+            other = None if self.retries else gateway.router.take_in(self.alias, slot.backend, self.ask, frozenset(tried))
             if other is None:
                 if response is not None:
                     return response  # the engine's own 503, as it said it
@@ -409,6 +451,8 @@ class Exchange:
             self.retries += 1
             self.slot = other
             gateway.admission.release(slot)
+            if other.binds and other.moved_from is not None:
+                await self._record_session(other)
 
     def _upstream_headers(self) -> dict[str, str]:
         headers = {"content-type": "application/json",
@@ -463,6 +507,8 @@ class Exchange:
                 now = clock()
                 events, chunks = scanner.feed(data)
                 if chunks:
+                    if trace.content_chunks == 0:
+                        self.gateway.router.first_token(self.slot)  # type: ignore[arg-type]
                     trace.content(chunks, now)
                 if events:
                     await self._send(send, events)

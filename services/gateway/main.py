@@ -13,14 +13,14 @@ from services.gateway.app import Gateway, create_app, upstream_client
 from services.runtime import ServiceContext, run_service
 from shared.contracts.config import PoolConfig, load_pool_config
 from shared.projections.live import LiveView
-from shared.projections.readmodels import INSTANCES, ROUTING
+from shared.projections.readmodels import INSTANCES, ROUTING, SESSIONS
 
 GRACEFUL_SHUTDOWN_S = 10.0
 
 
 async def serve(ctx: ServiceContext, pool: PoolConfig | None = None) -> None:
     pool = pool or PoolConfig()
-    view = LiveView(ctx.store, ctx.engine, [ROUTING, INSTANCES])
+    view = LiveView(ctx.store, ctx.engine, [ROUTING, INSTANCES, SESSIONS])
     await view.load()
     async with upstream_client(pool.gateway) as client:
         gateway = Gateway(ctx.settings, view, client, ctx.telemetry_bus, pool, ctx.telemetry)
@@ -40,7 +40,7 @@ async def serve(ctx: ServiceContext, pool: PoolConfig | None = None) -> None:
                 server.should_exit = True
 
         await asyncio.gather(*(s.serve() for s in servers), view.follow(ctx.nc, ctx.subjects, ctx.stop),
-                             gateway.publish_windows(ctx.stop), stop_servers())
+                             gateway.publish_windows(ctx.stop), gateway.release_sessions(ctx.stop), stop_servers())
 
 
 def http_server(app: Starlette, host: str, port: int) -> uvicorn.Server:

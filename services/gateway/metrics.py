@@ -2,7 +2,7 @@
 
 Requests by alias, backend and outcome; how long requests waited for a slot and
 how the wait ended; time to first token, end to end and per output token by
-backend; retries; cold starts; demand signals; and the queue and the load right now.
+backend; retries; cold starts; demand signals; session migrations; and the queue and the load right now.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class GatewayMetrics:
         self.retries: dict[tuple[str, str, str], int] = {}
         self.cold_starts: dict[str, int] = {}
         self.demand_signals: dict[str, int] = {}
+        self.session_moves: dict[tuple[str, str], int] = {}
 
     def request(self, alias: str, backend: str, outcome: str, status: int | None) -> None:
         """`status`: the HTTP status the client got (None: it left before any)."""
@@ -58,6 +59,10 @@ class GatewayMetrics:
 
     def cold_start(self, alias: str) -> None:
         self.cold_starts[alias] = self.cold_starts.get(alias, 0) + 1
+
+    def session_moved(self, alias: str, reason: str) -> None:
+        key = (alias, reason)
+        self.session_moves[key] = self.session_moves.get(key, 0) + 1
 
     def demand_signalled(self, alias: str) -> None:
         self.demand_signals[alias] = self.demand_signals.get(alias, 0) + 1
@@ -88,6 +93,10 @@ class GatewayMetrics:
         family(out, "modelpool:demand_signals_total", "counter", "Demand signals sent for requests waiting on a cold alias.")
         for alias, n in sorted(self.demand_signals.items()):
             out.append(f"modelpool:demand_signals_total{{{_labels(alias=alias)}}} {n}")
+        family(out, "modelpool:session_migrations_total", "counter",
+               "Sessions moved from their host by the alias's router, by reason (host_hot, host_gone).")
+        for (alias, reason), n in sorted(self.session_moves.items()):
+            out.append(f"modelpool:session_migrations_total{{{_labels(alias=alias, reason=reason)}}} {n}")
         family(out, "modelpool:num_requests_waiting", "gauge", "Requests waiting in the gateway for a slot right now.")
         for alias in sorted({*meter.aliases, *waiting}):
             out.append(f"modelpool:num_requests_waiting{{{_labels(alias=alias)}}} {waiting.get(alias, 0)}")

@@ -1,10 +1,13 @@
-"""Which instance serves a request: the routing state picks the backend, the gateway's own count the instance.
+"""Which instance serves a request: the routing state picks the backend, the alias's router plugin the instance.
 
 Seed 000 §12.4: fast only in FAST_ONLY / WARMING_VLLM / DEGRADED_FAST, split by
 the mix weight (the share sent to vLLM) in MIXED, vLLM first with llama.cpp as
 the floor in VLLM_PRIMARY. A COLD alias takes whatever instance comes up first,
 so a request held through a cold start is served as soon as one runs, before the
-controller has recorded the switch. An alias of the gateway's pool file that the
+controller has recorded the switch. Within the backend the alias's router
+(`routing/plugins/`, chosen in the pool file) picks from what this gateway
+counts on each instance and, for routers that bind sessions, the session table
+(`sessions.py`). An alias of the gateway's pool file that the
 controller has not registered yet (the pool is starting) is COLD. The gateway
 decides nothing about states or replicas; it follows what its live view of the
 log says.
@@ -13,10 +16,17 @@ log says.
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from routing.registry import build_scheduler
+from routing.scheduler import Endpoint, RoutingRequest, Scheduler, SessionState
+from services.gateway.prompts import BLOCK_BYTES, PrefixIndex, Prompt, TokensPerByte
+from services.gateway.sessions import Sessions
 from shared.contracts.backends import BackendType
+from shared.contracts.config import RouterConfig
 from shared.projections.live import LiveView
 from shared.projections.readmodels import INSTANCES, ROUTING
 
@@ -35,11 +45,30 @@ def backend_order(state: str, mix_weight: float, draw: float) -> tuple[BackendTy
 
 
 @dataclass(frozen=True, slots=True)
+class Ask:
+    """What the router knows of a request before it is sent: its prompt's session and blocks, its tokens."""
+
+    prompt: Prompt
+    tokens: int
+
+
+NO_PROMPT = Ask(Prompt("", (), 0), 0)
+
+
+@dataclass(eq=False, slots=True)
 class Slot:
     """One request's place on an instance: taken from the router's count, given back with `Router.release`."""
 
     backend: BackendType
     instance: dict[str, Any]
+    ask: Ask = NO_PROMPT
+    pending: int = 0
+    """Prompt tokens this request adds to the instance's pending prefill until its first token."""
+    moved_from: str | None = None
+    """Set when the router moves the request's session here from another host."""
+    reason: str = ""
+    binds: bool = False
+    """The alias's router binds sessions: the session's host is recorded."""
 
     @property
     def instance_id(self) -> str:
@@ -52,21 +81,29 @@ def _has_room(row: dict[str, Any], inflight: int) -> bool:
 
 
 class Router:
-    """Picks instances from the live view and counts what this gateway has in flight on each.
+    """Picks instances with the alias's router plugin and counts what this gateway has in flight on each.
 
     An instance takes at most its reported capacity of this gateway's requests at
-    once (`take` answers None when every instance the routing state allows is
-    full; admission queues the request). The count is the gateway's own: with
-    several replicas each balances its own share, which evens out the total, and
-    each may fill an instance to its capacity, the engine queueing the excess.
+    once (`take` answers None when no instance the routing state allows may take
+    the request; admission queues it). The counts are the gateway's own: requests
+    in flight and pending prefill tokens (prompt tokens sent and not yet past
+    their first token, less what the instance was expected to have cached). With
+    several replicas each balances its own share, which evens out the total.
     """
 
-    def __init__(self, view: LiveView, rng: random.Random, configured: frozenset[str] = frozenset()) -> None:
+    def __init__(self, view: LiveView, rng: random.Random, configured: dict[str, dict[str, Any]] | None = None,
+                 sessions: Sessions | None = None, wall: Callable[[], float] = time.time) -> None:
         self.view = view
         self.rng = rng
-        self.configured = configured
+        self.configured = configured or {}
+        self.sessions = sessions
+        self.wall = wall
         self.inflight: dict[str, int] = {}
+        self.pending: dict[str, int] = {}
+        self.index = PrefixIndex()
+        self.tokens = TokensPerByte()
         self._routable: dict[tuple[str, BackendType], list[dict[str, Any]]] | None = None
+        self._schedulers: dict[str, tuple[dict[str, Any], RouterConfig, Scheduler]] = {}
 
     def view_advanced(self) -> None:
         self._routable = None
@@ -79,6 +116,7 @@ class Router:
                 if row["state"] == "RUNNING" and row.get("endpoint"):
                     index.setdefault((row["alias"], BackendType(row["backend_type"])), []).append(row)
             self._routable = index
+            self.index.forget({row["instance_id"] for rows in index.values() for row in rows})
         return self._routable.get((alias, backend), [])
 
     def known(self, alias: str) -> bool:
@@ -88,31 +126,81 @@ class Router:
         routing = self.view[ROUTING].get(alias)
         return ("COLD", 0.0) if routing is None else (routing["state"], routing["mix_weight"])
 
-    def take(self, alias: str) -> Slot | None:
-        """A slot for one request of `alias`, or None when no instance it may use has room."""
+    def config(self, alias: str) -> dict[str, Any]:
+        """The alias's configuration as the controller registered it, else as the pool file has it."""
+        routing = self.view[ROUTING].get(alias)
+        return (routing or {}).get("config") or self.configured.get(alias) or {}
+
+    def _router(self, alias: str) -> tuple[dict[str, Any], RouterConfig, Scheduler]:
+        raw = self.config(alias).get("router") or {}
+        known = self._schedulers.get(alias)
+        if known is None or known[0] != raw:  # built once per configuration, not per request
+            config = RouterConfig.model_validate(raw)
+            known = self._schedulers[alias] = (raw, config, build_scheduler(config, self.rng))
+        return known
+
+    def scheduler(self, alias: str) -> Scheduler:
+        return self._router(alias)[2]
+
+    def router_config(self, alias: str) -> RouterConfig:
+        return self._router(alias)[1]
+
+    def take(self, alias: str, ask: Ask = NO_PROMPT) -> Slot | None:
+        """A slot for one request of `alias`, or None when no instance it may use may take it now."""
         for backend in backend_order(*self.state(alias), self.rng.random()):
-            slot = self.take_in(alias, backend)
+            slot = self.take_in(alias, backend, ask)
             if slot is not None:
                 return slot
         return None
 
-    def take_in(self, alias: str, backend: BackendType, exclude: frozenset[str] = frozenset()) -> Slot | None:
-        """A slot on the instance of `backend` with the fewest requests in flight from here, if one has room."""
-        best, best_key = None, None
-        for row in self._instances(alias, backend):
-            instance_id = row["instance_id"]
-            inflight = self.inflight.get(instance_id, 0)
-            if instance_id in exclude or not _has_room(row, inflight):
-                continue
-            # Ties broken at random, so replicas that each count only their own
-            # requests do not all pile onto the same instance.
-            key = (inflight, self.rng.random())
-            if best_key is None or key < best_key:
-                best, best_key = row, key
-        if best is None:
+    def take_in(self, alias: str, backend: BackendType, ask: Ask = NO_PROMPT,
+                exclude: frozenset[str] = frozenset()) -> Slot | None:
+        """A slot on the instance of `backend` the alias's router picks, if one may take the request."""
+        rows = {row["instance_id"]: row for row in self._instances(alias, backend) if row["instance_id"] not in exclude}
+        if not rows:
             return None
-        self.inflight[best["instance_id"]] = self.inflight.get(best["instance_id"], 0) + 1
-        return Slot(backend, best)
+        scheduler = self.scheduler(alias)
+        kv_len = ((self.config(alias).get("backends") or {}).get(backend.value) or {}).get("max_model_len")
+        endpoints = [self._endpoint(row, ask, scheduler.reads_cache, kv_len) for row in rows.values()]
+        if scheduler.binds_sessions and self.sessions is not None:
+            session = self.sessions.state(ask.prompt.session_id)
+        else:
+            session = SessionState(ask.prompt.session_id)
+        choice = scheduler.choose(RoutingRequest(session, ask.tokens, self.wall()), endpoints)
+        if choice is None:
+            return None
+        instance_id = choice.instance_id
+        row = rows[instance_id]
+        cached = self._cached_tokens(alias, instance_id, ask)
+        pending = max(0, ask.tokens - cached)
+        self.inflight[instance_id] = self.inflight.get(instance_id, 0) + 1
+        self.pending[instance_id] = self.pending.get(instance_id, 0) + pending
+        limit = row.get("capacity") and kv_len and self._blocks_of(alias, row["capacity"] * kv_len)
+        self.index.sent(instance_id, ask.prompt.blocks, limit or None)
+        return Slot(backend, row, ask, pending, choice.moved_from, choice.reason, scheduler.binds_sessions)
+
+    def _endpoint(self, row: dict[str, Any], ask: Ask, reads_cache: bool, kv_len: int | None) -> Endpoint:
+        instance_id = row["instance_id"]
+        inflight = self.inflight.get(instance_id, 0)
+        kv_free = None
+        if row.get("capacity") and kv_len:
+            resident = self.sessions.kv_resident(instance_id) if self.sessions is not None else 0
+            kv_free = row["capacity"] * kv_len - resident
+        return Endpoint(instance_id, inflight, not _has_room(row, inflight), self.pending.get(instance_id, 0),
+                        self._cached_tokens(row["alias"], instance_id, ask) if reads_cache else 0, kv_free)
+
+    def _cached_tokens(self, alias: str, instance_id: str, ask: Ask) -> int:
+        blocks = self.index.matched(instance_id, ask.prompt.blocks)
+        return min(ask.tokens, self.tokens.tokens(alias, blocks * BLOCK_BYTES)) if blocks else 0
+
+    def _blocks_of(self, alias: str, tokens: int) -> int:
+        per_block = max(1, self.tokens.tokens(alias, BLOCK_BYTES))
+        return max(1, tokens // per_block)
+
+    def first_token(self, slot: Slot) -> None:
+        """The slot's prompt is computed: it no longer weighs on the instance's pending prefill."""
+        if slot.pending:
+            self._unpend(slot)
 
     def routable(self, alias: str) -> bool:
         """Whether any instance the routing state allows is running, full or not."""
@@ -121,8 +209,19 @@ class Router:
 
     def release(self, slot: Slot) -> None:
         instance_id = slot.instance_id
+        if slot.pending:
+            self._unpend(slot)
         left = self.inflight[instance_id] - 1
         if left:
             self.inflight[instance_id] = left
         else:
             del self.inflight[instance_id]  # instances come and go: keep only those with requests
+
+    def _unpend(self, slot: Slot) -> None:
+        instance_id = slot.instance_id
+        left = self.pending.get(instance_id, 0) - slot.pending
+        slot.pending = 0
+        if left > 0:
+            self.pending[instance_id] = left
+        else:
+            self.pending.pop(instance_id, None)

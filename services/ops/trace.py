@@ -1,83 +1,156 @@
-"""`modelpool trace generate | run`: agentic traces in the JSON Lines format of seed 004, made and replayed.
+"""`modelpool trace generate | run | compare`: traces in the JSON Lines format of seed 004, made, replayed, compared.
 
     modelpool trace generate --sessions 2000 --span-s 600 --seed 1 --out agentic.jsonl
-    modelpool trace run agentic.jsonl --url http://127.0.0.1:8000 --model smollm2-135m
+    modelpool trace generate --shape bursty --requests 3000 --out bursty.jsonl
+    modelpool trace run agentic.jsonl --url http://127.0.0.1:8000 --model smollm2-135m --out ear.json
+    modelpool trace run bursty.jsonl --open-loop --url ... --model ... --out bursty.json
+    modelpool trace compare ear.json sticky.json --plot compare.png
 
-The file's format is `shared/contracts/trace.py`; the shape and its defaults
+The file's format is `shared/contracts/trace.py`; the shapes and their defaults
 `simulation/agentic.py`; the replay `services/ops/trace_replay.py` (closed
-loop, against any OpenAI endpoint). Each prints a JSON summary last: for
-`generate`, the input/output ratio and the skew beside the seed's production
-trace; for `run`, TTFT, TPOT and E2E, the prefix cache's hit rate against what
-the sessions could reuse, per-instance TTFT p90 and the wall-clock amplification.
+loop as agents send, or open loop, against any OpenAI endpoint). Each prints a
+JSON summary last: for `generate`, the input/output ratio and the skew beside
+the seed's production trace; for `run`, TTFT, TPOT and E2E, the prefix cache's
+hit rate against what could be reused, per-instance TTFT p90, how often a
+session changed instance and the wall-clock amplification (`--out` also keeps
+every request, for `compare`); for `compare`, the runs side by side, and plots.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from dataclasses import fields
 from pathlib import Path
 
 import httpx
+import orjson
 
-from services.ops.trace_replay import Replay, summarise
+from services.ops.trace_replay import Replay, Served, summarise
 from shared.contracts.config import ConfigError
 from shared.contracts.trace import read_trace, write_trace
-from simulation.agentic import SEED_SKEW, AgenticShape, generate_agentic, io_ratio, skew
+from simulation.agentic import SEED_SKEW, AgenticShape, BurstyShape, generate_agentic, generate_bursty, io_ratio, skew
+
+COMPARED = ("answered", "failed", "ttft_s", "tpot_s", "e2e_s", "apc", "apc_upper_bound_intra_session",
+            "apc_upper_bound_any_session", "instance_ttft_p90_s", "instance_changes_per_request", "amplification")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modelpool trace", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    generate = commands.add_parser("generate", help="write a skewed agentic trace")
+    generate = commands.add_parser("generate", help="write a skewed agentic trace, or bursty independent requests")
     generate.add_argument("--out", type=Path, required=True, help="the JSON Lines file to write")
     generate.add_argument("--seed", type=int, default=0)
-    defaults = AgenticShape()
-    for f in fields(AgenticShape):
-        generate.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)),
-                              default=getattr(defaults, f.name))
-    run = commands.add_parser("run", help="replay a trace against an OpenAI endpoint, closed loop")
+    generate.add_argument("--shape", choices=["agentic", "bursty"], default="agentic")
+    added: set[str] = set()
+    for shape in (AgenticShape(), BurstyShape()):
+        for f in fields(shape):
+            if f.name not in added:
+                added.add(f.name)
+                generate.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(shape, f.name)), default=None)
+    run = commands.add_parser("run", help="replay a trace against an OpenAI endpoint")
     run.add_argument("trace", type=Path)
     run.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint, without /v1")
     run.add_argument("--model", required=True)
     run.add_argument("--api-key", help="sent as `Authorization: Bearer`")
     run.add_argument("--timeout-s", type=float, default=600.0, help="longest wait for one answer")
+    run.add_argument("--open-loop", action="store_true", help="send every request at its time, without waiting for answers")
+    run.add_argument("--speedup", type=float, default=1.0,
+                     help="the engines run this much faster than real time (simulated engines' --speedup)")
+    run.add_argument("--out", type=Path, help="write the summary and every request here (JSON), for `compare`")
+    compare = commands.add_parser("compare", help="replays side by side: a table, and plots")
+    compare.add_argument("runs", type=Path, nargs="+", help="files written by `run --out`")
+    compare.add_argument("--plot", type=Path, help="write TTFT CDFs, per-instance TTFT p90 and instance changes here")
     return parser
 
 
-async def replay(args: argparse.Namespace) -> dict:
+async def replay(args: argparse.Namespace) -> tuple[dict, list[Served]]:
     requests = read_trace(args.trace)
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=args.timeout_s, headers=headers, limits=limits) as client:
-        run = Replay(args.url.rstrip("/"), args.model, client)
+        run = Replay(args.url.rstrip("/"), args.model, client, speedup=args.speedup, open_loop=args.open_loop,
+                     progress=progress(len(requests)))
         wall = await run.run(requests)
-    return summarise(run.served, requests, wall)
+    print(file=sys.stderr)
+    return summarise(run.served, requests, wall, args.speedup), run.served
+
+
+def progress(total: int):
+    step = max(1, total // 50)
+
+    def answered(n: int) -> None:
+        if n % step == 0 or n == total:
+            print(f"\r{n}/{total} requests answered", end="", file=sys.stderr, flush=True)
+
+    return answered
+
+
+def save_run(path: Path, summary: dict, served: list[Served]) -> None:
+    path.write_bytes(orjson.dumps({"summary": summary, "requests": [dataclasses.asdict(s) for s in served]}))
+
+
+def load_run(path: Path) -> tuple[dict, list[Served]]:
+    try:
+        data = orjson.loads(path.read_bytes())
+        return data["summary"], [Served(**r) for r in data["requests"]]
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ConfigError("<file>", f"not a file written by `modelpool trace run --out`: {exc}", str(path)) from None
+
+
+def compare(args: argparse.Namespace) -> dict:
+    runs = {path.stem: load_run(path) for path in args.runs}
+    table = {name: {key: summary.get(key) for key in COMPARED} for name, (summary, _) in runs.items()}
+    print(f"{'run':<16}{'TTFT p50':>10}{'TTFT p90':>10}{'TTFT p99':>10}{'APC':>8}{'bound':>8}{'worst inst p90':>16}"
+          f"{'changes/req':>12}{'amplif.':>9}", file=sys.stderr)
+    for name, row in table.items():
+        ttft, inst = row["ttft_s"] or {}, row["instance_ttft_p90_s"] or {}
+        print(f"{name:<16}{ttft.get('p50') or 0:>10.3f}{ttft.get('p90') or 0:>10.3f}{ttft.get('p99') or 0:>10.3f}"
+              f"{row['apc'] or 0:>8.3f}{row['apc_upper_bound_intra_session'] or 0:>8.3f}{inst.get('max') or 0:>16.3f}"
+              f"{row['instance_changes_per_request'] or 0:>12.3f}{row['amplification'] or 0:>9.2f}", file=sys.stderr)
+    result: dict = {"runs": table}
+    if args.plot:
+        from services.ops.trace_plots import plot_runs
+
+        result["plot"] = str(plot_runs(runs, args.plot))
+    return result
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "run":
-        try:
-            summary = asyncio.run(replay(args))
-        except ConfigError as exc:
-            print(f"modelpool trace run: {exc}", file=sys.stderr)
-            return 2
-        print(json.dumps(summary))
-        return 0 if summary["failed"] == 0 and summary["not_sent"] == 0 else 1
-    shape = AgenticShape(**{f.name: getattr(args, f.name) for f in fields(AgenticShape)})
     try:
-        requests = generate_agentic(shape, args.seed)
+        if args.command == "run":
+            summary, served = asyncio.run(replay(args))
+            if args.out:
+                save_run(args.out, summary, served)
+            print(json.dumps(summary))
+            return 0 if summary["failed"] == 0 and summary["not_sent"] == 0 else 1
+        if args.command == "compare":
+            print(json.dumps(compare(args)))
+            return 0
+    except ConfigError as exc:
+        print(f"modelpool trace {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return generate(args)
+
+
+def generate(args: argparse.Namespace) -> int:
+    shape_type = BurstyShape if args.shape == "bursty" else AgenticShape
+    given = {f.name: getattr(args, f.name) for f in fields(shape_type) if getattr(args, f.name) is not None}
+    shape = shape_type(**given)
+    try:
+        requests = generate_bursty(shape, args.seed) if args.shape == "bursty" else generate_agentic(shape, args.seed)
     except ValueError as exc:
         raise SystemExit(f"modelpool trace generate: {exc}") from None
     write_trace(requests, args.out)
-    shares = skew(requests)
-    print(json.dumps({
-        "out": str(args.out), "requests": len(requests), "sessions": shape.sessions,
-        "requests_per_session": round(len(requests) / shape.sessions, 2), "io_ratio": round(io_ratio(requests), 1),
-        "top_share_of_input": {f"{top:.0%}": round(share, 3) for top, share in shares.items()},
-        "seed_004_top_share_of_input": {f"{top:.0%}": share for top, share in SEED_SKEW.items()},
-    }))
+    sessions = len({r.session_id for r in requests})
+    summary = {"out": str(args.out), "shape": args.shape, "requests": len(requests), "sessions": sessions,
+               "requests_per_session": round(len(requests) / sessions, 2), "io_ratio": round(io_ratio(requests), 1)}
+    if args.shape == "agentic":
+        summary["top_share_of_input"] = {f"{top:.0%}": round(share, 3) for top, share in skew(requests).items()}
+        summary["seed_004_top_share_of_input"] = {f"{top:.0%}": share for top, share in SEED_SKEW.items()}
+    print(json.dumps(summary))
     return 0

@@ -12,6 +12,7 @@ A pool file is YAML:
           llama.cpp: {model_name: ..., model_path: ..., gpu_memory_gb: 6.0, min_replicas: 1, max_replicas: 4}
           vllm:      {model_name: ..., model_path: ..., gpu_memory_gb: 12.0, min_replicas: 0, max_replicas: 2,
                       max_model_len: 4096, tensor_parallel_size: 1, engine: simulator}
+        router: {plugin: ear, t_hot_tokens: 8192, t_cool_s: 30}   # optional; RouterConfig
 
 Layers, later wins: the defaults below, the file, the environment (`HYBRID_ALPHA=0.6`),
 explicit arguments. Every error names the field and the file it came from.
@@ -23,7 +24,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -48,6 +49,11 @@ class ConfigError(ValueError):
         where = f" in {source}" if source else ""
         super().__init__(f"{field}{where}: {message}")
 
+
+DEFAULT_T_HOT_TOKENS = 8192
+"""EAR's T_hot; chosen by the sensitivity sweep in docs/routing.md."""
+DEFAULT_T_COOL_S = 30.0
+"""EAR's T_cool; chosen by the sensitivity sweep in docs/routing.md."""
 
 FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]*$")
 
@@ -83,12 +89,34 @@ class BackendConfig(BaseModel):
         return self
 
 
+RouterPlugin = Literal["round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear"]
+
+
+class RouterConfig(BaseModel):
+    """How the gateway picks an instance of the alias's backend (docs/routing.md; the plugins in `routing/plugins/`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    plugin: RouterPlugin = "least-load"
+    t_hot_tokens: int = Field(default=DEFAULT_T_HOT_TOKENS, ge=0)
+    """EAR: a host with more pending prefill tokens than this is hot, and its sessions may move."""
+    t_cool_s: float = Field(default=DEFAULT_T_COOL_S, ge=0)
+    """EAR: a session that moved stays where it is for this long."""
+    kv_weight: float = Field(default=2.0, ge=0)
+    """kv-aware: the weight of the expected prefix-cache hit."""
+    load_weight: float = Field(default=1.0, ge=0)
+    """kv-aware: the weight of the load (pending prefill tokens)."""
+    session_idle_s: float = Field(default=600.0, gt=0)
+    """Routers that bind sessions release one idle this long."""
+
+
 class AliasConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     alias: str = Field(min_length=1)
     routing_state: RoutingState = RoutingState.COLD
     backends: dict[BackendType, BackendConfig]
+    router: RouterConfig = RouterConfig()
 
     @field_validator("backends")
     @classmethod

@@ -45,8 +45,9 @@ class Facts:
         self.routing: dict[str, tuple[RoutingState, float]] = {}
         self.instances: dict[str, InstanceState] = {}
 
-    async def alias(self, alias: str = ALIAS) -> None:
-        config = AliasConfig.model_validate({"alias": alias, "backends": {
+    async def alias(self, alias: str = ALIAS, router: dict | None = None) -> None:
+        """Register `alias` with both backends on the simulator; `router`: its pool file `router:` section."""
+        config = AliasConfig.model_validate({"alias": alias, "router": router or {}, "backends": {
             b.value: {"model_name": alias, "model_path": "default", "gpu_memory_gb": 0, "engine": "simulator"} for b in (FAST, SLOW)}})
         await self.store.append(f"alias:{alias}", [Envelope.wrap(AliasConfigured(alias=alias, config=config))])
         self.routing[alias] = (RoutingState.COLD, 0.0)

@@ -11,10 +11,20 @@ import httpx
 import pytest
 
 from helpers import start_engine, wait_healthy
+from services.ops.trace import save_run
 from services.ops.trace_replay import Replay, summarise
 from shared.contracts.config import ConfigError
 from shared.contracts.trace import TraceRequest, read_trace, write_trace
-from simulation.agentic import SEED_SKEW, AgenticShape, generate_agentic, io_ratio, prompt_tokens, skew
+from simulation.agentic import (
+    SEED_SKEW,
+    AgenticShape,
+    BurstyShape,
+    generate_agentic,
+    generate_bursty,
+    io_ratio,
+    prompt_tokens,
+    skew,
+)
 
 
 def test_the_generator_reproduces_the_seeds_skew_ratio_and_turns_per_session():
@@ -106,3 +116,64 @@ def test_a_replay_is_closed_loop_and_measures_what_it_says(tmp_path):
             assert served.cached_tokens > 0  # the previous turn's prompt and answer were reused
     assert 0 < summary["apc"] <= summary["apc_upper_bound_intra_session"] <= 1
     assert summary["amplification"] > 1 and summary["ttft_s"]["p50"] > 0 and summary["tpot_s"]["p50"] > 0
+
+
+def test_bursty_traffic_arrives_in_its_bursts_and_is_seeded():
+    shape = BurstyShape(requests=4000, span_s=600.0, bursts=4, burst_s=10.0, burst_share=0.5)
+    requests = generate_bursty(shape, seed=5)
+    assert requests == generate_bursty(shape, seed=5) and requests != generate_bursty(shape, seed=6)
+    assert all(r.turn == 0 for r in requests) and len({r.session_id for r in requests}) == 4000
+    arrivals = [r.delay_s for r in requests]
+    assert arrivals == sorted(arrivals) and 0 <= arrivals[0] and arrivals[-1] <= 600
+    per_second = [0] * 600
+    for t in arrivals:
+        per_second[min(599, int(t))] += 1
+    # Half the requests in 40 of 600 seconds: the busiest 40 seconds hold far more than a steady rate would (7 %).
+    assert sum(sorted(per_second)[-40:]) > 0.45 * 4000
+    with pytest.raises(ValueError, match="burst_share"):
+        generate_bursty(BurstyShape(burst_share=1.5), seed=0)
+
+
+def test_open_loop_sends_on_the_traces_clock_and_compare_puts_runs_side_by_side(tmp_path):
+    """Answers slower than the tool times: open loop does not wait for them, closed loop does."""
+    requests = [TraceRequest(session_id="a", turn=t, delay_s=0.05 if t else 0.0, new_input_tokens=20, output_tokens=40)
+                for t in range(4)]
+    # 40 tokens at the simulated llama.cpp's pace (~35 ms a step at speed-up 1) take over a second.
+    engine = start_engine(tmp_path, "llama.cpp", "agent")
+    try:
+        wait_healthy([engine])
+
+        async def replay(open_loop: bool) -> Replay:
+            async with httpx.AsyncClient(timeout=60) as client:
+                run = Replay(engine.url, "agent", client, open_loop=open_loop)
+                run.wall = await run.run(requests)  # type: ignore[attr-defined]
+                return run
+
+        opened, closed = asyncio.run(replay(True)), asyncio.run(replay(False))
+    finally:
+        engine.stop()
+    start = min(s.sent for s in opened.served)
+    sent = sorted(s.sent - start for s in opened.served)
+    assert sent[-1] < 0.15 + 0.1  # all four went out on the trace's clock (0, .05, .10, .15 s)
+    assert all(s.done is not None and s.error is None for s in opened.served)
+    turns = sorted(closed.served, key=lambda s: s.turn)
+    assert all(b.sent >= a.done for a, b in zip(turns, turns[1:]))
+
+    runs = []
+    for name, run in (("open", opened), ("closed", closed)):
+        path = tmp_path / f"{name}.json"
+        save_run(path, summarise(run.served, requests, run.wall), run.served)  # type: ignore[attr-defined]
+        runs.append(str(path))
+    plot = tmp_path / "compare.png"
+    done = subprocess.run([sys.executable, "-m", "services.cli", "trace", "compare", *runs, "--plot", str(plot)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    table = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
+    assert set(table) == {"open", "closed"} and table["open"]["answered"] == 4
+    assert table["closed"]["amplification"] > table["open"]["amplification"]
+    assert plot.stat().st_size > 10_000
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    refused = subprocess.run([sys.executable, "-m", "services.cli", "trace", "compare", str(bad)], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "trace run --out" in refused.stderr

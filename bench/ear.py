@@ -1,0 +1,212 @@
+"""Benchmark: EAR against the routers seed 004 names, on one generated agentic trace through the real gateway.
+
+Per router, from scratch: `--engines` SIMULATED vLLM engines (`modelpool engine
+sim`, prefix caching on, `--speedup` times real time) as processes, recorded in
+a scratch namespace of the local Postgres as the alias's running instances, the
+alias registered with that router, `modelpool gateway` as its own process, and
+the trace replayed through it closed loop (`modelpool trace run`'s replayer).
+Fresh engines each time, so no router inherits another's caches.
+
+Routers: round-robin, least-load, kv-aware, sticky, affinity (EAR without
+migration), ear. Times are in the trace's seconds (wall seconds times the
+speedup); `t_cool_s` is given in trace seconds and divided by the speedup for
+the gateway.
+
+    .venv/bin/python bench/ear.py --plot docs/img/ear.png
+
+Progress goes to stderr; the last line on stdout is the JSON summary, with the
+keys of the EAR issue: `apc_ear`, `apc_upper_bound`, `ttft_p90_s`,
+`worst_instance_ttft_p90_s`, `amplification` (each keyed by router),
+`migrations` and `thrash_sessions`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.ops.trace_replay import Replay, Served, summarise  # noqa: E402
+from shared.contracts.backends import BackendType, EngineKind  # noqa: E402
+from shared.contracts.config import AliasConfig  # noqa: E402
+from shared.contracts.events import (  # noqa: E402
+    AliasConfigured,
+    InstanceStateChanged,
+    RoutingStateChanged,
+    event_registry,
+)
+from shared.contracts.messages import Envelope  # noqa: E402
+from shared.contracts.states import InstanceState, RoutingState  # noqa: E402
+from shared.contracts.trace import TraceRequest  # noqa: E402
+from shared.eventlog.db import create_engine, migrate_async  # noqa: E402
+from shared.eventlog.store import make_store  # noqa: E402
+from shared.net import free_port  # noqa: E402
+from shared.settings import Settings  # noqa: E402
+from simulation.agentic import AgenticShape, generate_agentic, io_ratio, skew  # noqa: E402
+
+from harness import Process, drop_namespace, wait_ready  # noqa: E402
+
+ALIAS = "agent"
+ROUTERS = ("round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear")
+
+
+def say(message: str) -> None:
+    print(f"[ear bench] {message}", file=sys.stderr, flush=True)
+
+
+async def record_facts(settings: Settings, router: dict, engines: list[str], capacity: int, max_model_len: int) -> None:
+    """What the controller and workers would record: the alias with its router, its engines running, VLLM_PRIMARY."""
+    await migrate_async(settings)
+    db = create_engine(settings, pool_size=1)
+    store = make_store(db, event_registry(), settings.namespace)
+    config = AliasConfig.model_validate({"alias": ALIAS, "router": router, "backends": {"vllm": {
+        "model_name": ALIAS, "model_path": "simulated", "gpu_memory_gb": 24, "engine": "simulator",
+        "max_model_len": max_model_len}}})
+    await store.append(f"alias:{ALIAS}", [Envelope.wrap(AliasConfigured(alias=ALIAS, config=config))])
+    for i, url in enumerate(engines):
+        instance = f"v{i}"
+        for before, after in ((InstanceState.ABSENT, InstanceState.STARTING), (InstanceState.STARTING, InstanceState.RUNNING)):
+            await store.append(f"instance:{instance}", [Envelope.wrap(InstanceStateChanged(
+                instance_id=instance, alias=ALIAS, backend_type=BackendType.VLLM, engine=EngineKind.SIMULATOR,
+                worker_id="w1", from_state=before, to_state=after, reason="bench", endpoint=url, capacity=capacity))])
+    await store.append(f"alias:{ALIAS}", [Envelope.wrap(RoutingStateChanged(
+        alias=ALIAS, from_state=RoutingState.COLD, to_state=RoutingState.VLLM_PRIMARY, reason="bench", mix_weight=1.0,
+        policy="bench"))])
+    await db.dispose()
+
+
+async def migrations_of(settings: Settings, t_cool_wall_s: float) -> dict:
+    """The log's session moves: how many, their recorded reasons, and sessions that moved twice within T_cool."""
+    db = create_engine(settings, pool_size=1)
+    store = make_store(db, event_registry(), settings.namespace)
+    moves = await store.of_type("SessionMigrated")
+    bound = await store.of_type("SessionBound")
+    await db.dispose()
+    times: dict[str, list[float]] = {}
+    reasons: dict[str, int] = {}
+    for event in moves:
+        times.setdefault(event.payload["session_id"], []).append(event.occurred_at.timestamp())
+        reasons[event.payload["reason"]] = reasons.get(event.payload["reason"], 0) + 1
+    thrash = sum(1 for ts in times.values() if any(b - a < t_cool_wall_s for a, b in zip(sorted(ts), sorted(ts)[1:])))
+    return {"migrations": len(moves), "reasons": reasons, "thrash_sessions": thrash, "sessions_bound": len(bound)}
+
+
+async def run_router(router: str, args: argparse.Namespace, trace: list[TraceRequest], work: Path) -> dict:
+    python = sys.executable
+    settings = Settings.load({}, namespace=f"bench_ear_{secrets.token_hex(4)}")
+    processes: list[Process] = []
+    capacity = args.kv_cache_tokens // args.max_model_len  # what the worker reads from a vLLM engine
+    try:
+        urls = []
+        for i in range(args.engines):
+            port = free_port()
+            urls.append(f"http://127.0.0.1:{port}")
+            processes.append(Process(f"{router}-engine-{i}", [
+                python, "-m", "services.cli", "engine", "sim", "--profile", "vllm", "--model", ALIAS, "--port", str(port),
+                "--speedup", str(args.speedup), "--startup-s", "0", "--seed", str(i),
+                "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-model-len", str(args.max_model_len),
+                "--d-1", str(args.d_1)], work))
+        for url, process in zip(urls, processes):
+            await wait_ready(f"{url}/health", process)
+        config = {"plugin": router, "t_hot_tokens": args.t_hot_tokens, "t_cool_s": args.t_cool_s / args.speedup}
+        await record_facts(settings, config, urls, capacity, args.max_model_len)
+        gateway_port = free_port()
+        gateway = Process(f"{router}-gateway", [python, "-m", "services.cli", "gateway"], work, {
+            "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url, "MODELPOOL_NAMESPACE": settings.namespace,
+            "MODELPOOL_GATEWAY_PORT": str(gateway_port), "MODELPOOL_GATEWAY_ID": "bench", "MODELPOOL_QUEUE_SIZE": "4096",
+            "MODELPOOL_QUEUE_TIMEOUT_S": "600", "MODELPOOL_LOG_LEVEL": "WARNING"})
+        processes.append(gateway)
+        gateway_url = f"http://127.0.0.1:{gateway_port}"
+        await wait_ready(f"{gateway_url}/health", gateway)
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        done = 0
+
+        def progress(n: int) -> None:
+            nonlocal done
+            done = n
+            if n % max(1, len(trace) // 10) == 0:
+                say(f"{router}: {n}/{len(trace)} requests answered")
+
+        async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
+            replay = Replay(gateway_url, ALIAS, client, speedup=args.speedup, progress=progress)
+            wall = await replay.run(trace)
+        summary = summarise(replay.served, trace, wall, args.speedup)
+        summary.update(await migrations_of(settings, args.t_cool_s / args.speedup))
+        summary["served"] = replay.served
+        return summary
+    finally:
+        for process in reversed(processes):
+            process.stop()
+        await drop_namespace(settings)
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    from services.ops.trace_plots import plot_runs
+
+    plot_runs({router: (r, r["served"]) for router, r in results.items()}, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--routers", default=",".join(ROUTERS))
+    parser.add_argument("--engines", type=int, default=8)
+    parser.add_argument("--speedup", type=float, default=4.0)
+    parser.add_argument("--sessions", type=int, default=160)
+    parser.add_argument("--span-s", type=float, default=300.0, help="sessions start over this long (trace seconds)")
+    parser.add_argument("--alpha", type=float, default=AgenticShape.alpha, help="Pareto shape of session lengths (skew)")
+    parser.add_argument("--new-input-tokens", type=float, default=AgenticShape.new_input_tokens)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--kv-cache-tokens", type=int, default=160_000, help="KV capacity of each engine, tokens")
+    parser.add_argument("--d-1", type=float, default=0.0004,
+                        help="engine seconds per batched token (prefill speed: 0.0004 is 2,500 tokens/s)")
+    parser.add_argument("--max-model-len", type=int, default=40_000)
+    parser.add_argument("--t-hot-tokens", type=int, default=None, help="EAR's T_hot (default: the pool's default)")
+    parser.add_argument("--t-cool-s", type=float, default=None, help="EAR's T_cool in trace seconds (default: the pool's)")
+    parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+    from shared.contracts.config import DEFAULT_T_COOL_S, DEFAULT_T_HOT_TOKENS
+
+    args.t_hot_tokens = DEFAULT_T_HOT_TOKENS if args.t_hot_tokens is None else args.t_hot_tokens
+    args.t_cool_s = DEFAULT_T_COOL_S if args.t_cool_s is None else args.t_cool_s
+    shape = AgenticShape(sessions=args.sessions, span_s=args.span_s, alpha=args.alpha,
+                         new_input_tokens=args.new_input_tokens, max_turns=32)
+    trace = [r for r in generate_agentic(shape, args.seed)]
+    say(f"trace: {len(trace)} requests in {args.sessions} sessions, input/output {io_ratio(trace):.0f}, "
+        f"top 1 % of sessions carry {skew(trace)[0.01]:.0%} of the input")
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-ear-") as tmp:
+        for router in args.routers.split(","):
+            say(f"{router}: {args.engines} engines, gateway, replay at {args.speedup:g}x")
+            r = results[router] = asyncio.run(run_router(router, args, trace, Path(tmp)))
+            say(f"{router}: TTFT p90 {r['ttft_s']['p90']} s, worst instance p90 {r['instance_ttft_p90_s']['max']} s, "
+                f"APC {r['apc']} of {r['apc_upper_bound_intra_session']}, amplification {r['amplification']}, "
+                f"{r['migrations']} migrations, {r['failed']} failed")
+    if args.plot:
+        plot(results, args.plot)
+    keyed = {router: {k: v for k, v in r.items() if k != "served"} for router, r in results.items()}
+    ear = keyed.get("ear", {})
+    print(json.dumps({
+        "engine": "simulated-vllm", "speedup": args.speedup, "engines": args.engines, "requests": len(trace),
+        "sessions": args.sessions, "t_hot_tokens": args.t_hot_tokens, "t_cool_s": args.t_cool_s,
+        "apc_ear": ear.get("apc"), "apc_upper_bound": ear.get("apc_upper_bound_intra_session"),
+        "ttft_p90_s": {k: r["ttft_s"]["p90"] for k, r in keyed.items()},
+        "worst_instance_ttft_p90_s": {k: r["instance_ttft_p90_s"]["max"] for k, r in keyed.items()},
+        "amplification": {k: r["amplification"] for k, r in keyed.items()},
+        "migrations": ear.get("migrations"), "thrash_sessions": ear.get("thrash_sessions"),
+        "runs": keyed,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""What the benchmarks that run services as processes share: a child process, its readiness, a scratch namespace's end."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+from sqlalchemy import text
+
+from shared.bus.jetstream import connect
+from shared.bus.subjects import Subjects
+from shared.eventlog.db import create_engine
+from shared.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Process:
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.proc = subprocess.Popen(argv, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True, cwd=ROOT)
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no VmRSS for {self.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+async def wait_ready(url: str, process: Process, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2) as client:
+        while True:
+            try:
+                if (await client.get(url)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if process.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{process.name} did not start:\n{process.log_path.read_text()[-3000:]}")
+            await asyncio.sleep(0.2)
+
+
+async def drop_namespace(settings: Settings) -> None:
+    db = create_engine(settings, pool_size=1)
+    async with db.begin() as conn:
+        await conn.execute(text(f'DROP SCHEMA IF EXISTS "{settings.namespace}" CASCADE'))
+    await db.dispose()
+    nc = await connect(settings.nats_url, name="bench-gateway")
+    for stream in Subjects(settings.namespace).all_streams:
+        try:
+            await nc.jetstream().delete_stream(stream)
+        except Exception:  # never created
+            pass
+    await nc.close()

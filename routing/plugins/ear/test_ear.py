@@ -1,0 +1,61 @@
+import random
+
+import pytest
+
+from routing.plugins.testing import endpoints, request
+from routing.plugins.ear import build
+
+T_HOT, T_COOL = 8000, 30.0
+
+
+@pytest.fixture
+def ear():
+    return build(random.Random(0), T_HOT, T_COOL)
+
+
+def test_a_new_session_goes_to_the_fewest_pending_prefill_tokens(ear):
+    choice = ear.choose(request(), endpoints(3000, 500, 9000))
+    assert (choice.instance_id, choice.moved_from) == ("i1", None)
+
+
+def test_later_turns_stay_on_the_host_while_it_is_not_hot_even_when_others_are_idler(ear):
+    choice = ear.choose(request(host="i2"), endpoints(0, 0, T_HOT))  # at T_hot, not over it
+    assert (choice.instance_id, choice.moved_from, choice.reason) == ("i2", None, "bound")
+
+
+def test_a_hot_host_moves_the_session_to_the_least_loaded_instance_that_can_hold_it(ear):
+    # i1 is the least loaded but cannot hold the session's 20k tokens of context; i0 can.
+    pool = endpoints(2000, 100, T_HOT + 1, 4000, kv_free_tokens=[50_000, 10_000, 0, None])
+    choice = ear.choose(request(host="i2", context_tokens=20_000), pool)
+    assert (choice.instance_id, choice.moved_from, choice.reason) == ("i0", "i2", "host_hot")
+
+
+def test_no_target_strictly_less_loaded_or_with_room_means_stay(ear):
+    hot = T_HOT + 5000
+    assert ear.choose(request(host="i0"), endpoints(hot, hot, hot + 1)).instance_id == "i0"
+    assert ear.choose(request(host="i0", context_tokens=9000), endpoints(hot, 0, kv_free_tokens=[0, 8000])).instance_id == "i0"
+    assert ear.choose(request(host="i0"), endpoints(hot, 0, full=[False, True])).instance_id == "i0"
+
+
+def test_a_session_that_moved_within_t_cool_stays_and_may_move_again_after_it(ear):
+    pool = endpoints(T_HOT * 2, 0)
+    assert ear.choose(request(host="i0", moved_at=1000.0 - T_COOL + 1), pool).instance_id == "i0"
+    assert ear.choose(request(host="i0", moved_at=1000.0 - T_COOL), pool).moved_from == "i0"
+
+
+def test_a_full_host_is_hot_and_in_cooldown_the_session_waits_for_it(ear):
+    pool = endpoints(0, 0, full=[True, False])
+    assert ear.choose(request(host="i0"), pool).instance_id == "i1"
+    assert ear.choose(request(host="i0", moved_at=999.0), pool) is None
+
+
+def test_a_host_that_is_gone_is_replaced_by_load(ear):
+    choice = ear.choose(request(host="gone"), endpoints(300, 100))
+    assert (choice.instance_id, choice.moved_from, choice.reason) == ("i1", "gone", "host_gone")
+
+
+def test_affinity_is_ear_without_moves():
+    affinity = build(random.Random(0), T_HOT, T_COOL, migrate=False)
+    assert affinity.choose(request(host="i0"), endpoints(T_HOT * 10, 0)).instance_id == "i0"
+    assert affinity.choose(request(host="i0"), endpoints(0, 0, full=[True, False])) is None
+    assert affinity.choose(request(), endpoints(T_HOT * 10, 0)).instance_id == "i1"

@@ -1,0 +1,15 @@
+"""Constructed states for the plugins' tests: requests and instances built in one line."""
+
+from __future__ import annotations
+
+from routing.scheduler import Endpoint, RoutingRequest, SessionState
+
+
+def request(session: str = "s", prompt_tokens: int = 1000, host: str | None = None, moved_at: float | None = None,
+            context_tokens: int = 0, now: float = 1000.0) -> RoutingRequest:
+    return RoutingRequest(SessionState(session, host, moved_at, context_tokens), prompt_tokens, now)
+
+
+def endpoints(*loads: int, **fields) -> list[Endpoint]:
+    """Instances i0, i1, ... with the given pending prefill tokens; `fields` maps a name to one value per instance."""
+    return [Endpoint(f"i{i}", pending_prefill=load, **{k: v[i] for k, v in fields.items()}) for i, load in enumerate(loads)]

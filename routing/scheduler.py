@@ -1,0 +1,123 @@
+"""The router as plugins, in the shape of llm-d's scheduler: filters, weighted scorers, a picker.
+
+A request's candidates are the instances its backend may use. Filters narrow
+them, in order; each scorer rates every remaining candidate in [0, 1]; the
+picker takes the highest weighted sum (ties at random, so gateway replicas that
+each see only their own requests do not all pick the same instance). A filter
+that leaves nothing means no candidate may take the request now: it waits in
+the gateway's queue.
+
+Everything here is pure: the gateway (and the policy lab's simulated cluster)
+gathers the state into `Endpoint`s and a `RoutingRequest`, asks `Scheduler.choose`,
+and applies the `Choice`, binding or moving the session when it says so.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One instance as the router sees it when a request arrives."""
+
+    instance_id: str
+    inflight: int = 0
+    """Requests of this gateway on the instance."""
+    full: bool = False
+    """The instance has as many of this gateway's requests as its capacity."""
+    pending_prefill: int = 0
+    """Prompt tokens dispatched to it and not yet past their first token, less what its cache was expected to hold."""
+    cached_tokens: int = 0
+    """Tokens of this request's prompt the instance is expected to hold in its prefix cache."""
+    kv_free_tokens: int | None = None
+    """KV room left for another session's context; None when unknown (taken as enough)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionState:
+    """A request's session, and where it is bound if it is."""
+
+    session_id: str
+    host: str | None = None
+    """The instance holding the session's KV, for routers that bind sessions."""
+    moved_at: float | None = None
+    """When the session last migrated, in the clock of `RoutingRequest.now`."""
+    context_tokens: int = 0
+    """Tokens of context the session holds on its host (what a move would carry)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    session: SessionState
+    prompt_tokens: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Where the request goes; `moved_from` set when a bound session leaves its host."""
+
+    instance_id: str
+    moved_from: str | None = None
+    reason: str = ""
+
+
+Filter = Callable[[RoutingRequest, list[Endpoint]], list[Endpoint]]
+Scorer = Callable[[RoutingRequest, list[Endpoint]], list[float]]
+
+
+def has_room(_: RoutingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
+    """Instances below their capacity of this gateway's requests (admission's bound, applied by every router)."""
+    return [e for e in endpoints if not e.full]
+
+
+def fewest(values: Sequence[float]) -> list[float]:
+    """1 for the smallest value, falling linearly to 0 for the largest (all 1 when they are equal)."""
+    low, high = min(values), max(values)
+    if high == low:
+        return [1.0] * len(values)
+    return [(high - v) / (high - low) for v in values]
+
+
+@dataclass(frozen=True, slots=True)
+class Weighted:
+    scorer: Scorer
+    weight: float
+
+
+class Scheduler:
+    """Filters, then weighted scorers, then the highest total; `binds_sessions` routers keep a session's host."""
+
+    def __init__(self, name: str, filters: Sequence[Filter], scorers: Sequence[Weighted], rng: random.Random, *,
+                 binds_sessions: bool = False, per_session: bool = False, reads_cache: bool = False) -> None:
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple(scorers)
+        self.rng = rng
+        self.binds_sessions = binds_sessions
+        self.per_session = per_session or binds_sessions
+        """Where a request may go depends on its session: one that must wait does not make the next wait."""
+        self.reads_cache = reads_cache
+        """Its scorers read `Endpoint.cached_tokens` (worked out only for routers that do)."""
+
+    def choose(self, request: RoutingRequest, endpoints: Sequence[Endpoint]) -> Choice | None:
+        """The instance for `request`, or None when no candidate may take it now."""
+        candidates = list(endpoints)
+        for narrow in self.filters:
+            candidates = narrow(request, candidates)
+            if not candidates:
+                return None
+        totals = [0.0] * len(candidates)
+        for weighted in self.scorers:
+            for i, score in enumerate(weighted.scorer(request, candidates)):
+                totals[i] += weighted.weight * score
+        best = max(range(len(candidates)), key=lambda i: (totals[i], self.rng.random()))
+        picked = candidates[best].instance_id
+        host = request.session.host
+        if not self.binds_sessions or host is None or host == picked:
+            return Choice(picked, reason="bound" if host == picked and self.binds_sessions else "scored")
+        gone = all(e.instance_id != host for e in endpoints)
+        return Choice(picked, moved_from=host, reason="host_gone" if gone else "host_hot")
