@@ -12,7 +12,7 @@ A pool file is YAML:
           llama.cpp: {model_name: ..., model_path: ..., gpu_memory_gb: 6.0, min_replicas: 1, max_replicas: 4}
           vllm:      {model_name: ..., model_path: ..., gpu_memory_gb: 12.0, min_replicas: 0, max_replicas: 2,
                       max_model_len: 4096, tensor_parallel_size: 1, engine: simulator}
-        router: {plugin: ear, t_hot_tokens: 8192, t_cool_s: 30}   # optional; RouterConfig
+        router: {plugin: ear, t_hot_tokens: 4096, t_cool_s: 30}   # optional; RouterConfig
 
 Layers, later wins: the defaults below, the file, the environment (`HYBRID_ALPHA=0.6`),
 explicit arguments. Every error names the field and the file it came from.
@@ -50,10 +50,10 @@ class ConfigError(ValueError):
         super().__init__(f"{field}{where}: {message}")
 
 
-DEFAULT_T_HOT_TOKENS = 8192
-"""EAR's T_hot; chosen by the sensitivity sweep in docs/routing.md."""
+DEFAULT_T_HOT_TOKENS = 4096
+"""EAR's T_hot: the value of the comparison in docs/benchmarks.md ("EAR routing")."""
 DEFAULT_T_COOL_S = 30.0
-"""EAR's T_cool; chosen by the sensitivity sweep in docs/routing.md."""
+"""EAR's T_cool, in seconds: the value of the comparison in docs/benchmarks.md ("EAR routing")."""
 
 FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]*$")
 
