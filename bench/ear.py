@@ -35,25 +35,17 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.ops.trace_replay import Replay, Served, summarise  # noqa: E402
-from shared.contracts.backends import BackendType, EngineKind  # noqa: E402
+from services.ops.trace_replay import Replay, summarise  # noqa: E402
 from shared.contracts.config import AliasConfig  # noqa: E402
-from shared.contracts.events import (  # noqa: E402
-    AliasConfigured,
-    InstanceStateChanged,
-    RoutingStateChanged,
-    event_registry,
-)
-from shared.contracts.messages import Envelope  # noqa: E402
-from shared.contracts.states import InstanceState, RoutingState  # noqa: E402
+from shared.contracts.events import event_registry  # noqa: E402
 from shared.contracts.trace import TraceRequest  # noqa: E402
-from shared.eventlog.db import create_engine, migrate_async  # noqa: E402
+from shared.eventlog.db import create_engine  # noqa: E402
 from shared.eventlog.store import make_store  # noqa: E402
 from shared.net import free_port  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 from simulation.agentic import AgenticShape, generate_agentic, io_ratio, skew  # noqa: E402
 
-from harness import Process, drop_namespace, wait_ready  # noqa: E402
+from harness import Process, drop_namespace, record_running, wait_ready  # noqa: E402
 
 ALIAS = "agent"
 ROUTERS = ("round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear")
@@ -61,27 +53,6 @@ ROUTERS = ("round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear")
 
 def say(message: str) -> None:
     print(f"[ear bench] {message}", file=sys.stderr, flush=True)
-
-
-async def record_facts(settings: Settings, router: dict, engines: list[str], capacity: int, max_model_len: int) -> None:
-    """What the controller and workers would record: the alias with its router, its engines running, VLLM_PRIMARY."""
-    await migrate_async(settings)
-    db = create_engine(settings, pool_size=1)
-    store = make_store(db, event_registry(), settings.namespace)
-    config = AliasConfig.model_validate({"alias": ALIAS, "router": router, "backends": {"vllm": {
-        "model_name": ALIAS, "model_path": "simulated", "gpu_memory_gb": 24, "engine": "simulator",
-        "max_model_len": max_model_len}}})
-    await store.append(f"alias:{ALIAS}", [Envelope.wrap(AliasConfigured(alias=ALIAS, config=config))])
-    for i, url in enumerate(engines):
-        instance = f"v{i}"
-        for before, after in ((InstanceState.ABSENT, InstanceState.STARTING), (InstanceState.STARTING, InstanceState.RUNNING)):
-            await store.append(f"instance:{instance}", [Envelope.wrap(InstanceStateChanged(
-                instance_id=instance, alias=ALIAS, backend_type=BackendType.VLLM, engine=EngineKind.SIMULATOR,
-                worker_id="w1", from_state=before, to_state=after, reason="bench", endpoint=url, capacity=capacity))])
-    await store.append(f"alias:{ALIAS}", [Envelope.wrap(RoutingStateChanged(
-        alias=ALIAS, from_state=RoutingState.COLD, to_state=RoutingState.VLLM_PRIMARY, reason="bench", mix_weight=1.0,
-        policy="bench"))])
-    await db.dispose()
 
 
 async def migrations_of(settings: Settings, t_cool_wall_s: float) -> dict:
@@ -117,8 +88,12 @@ async def run_router(router: str, args: argparse.Namespace, trace: list[TraceReq
                 "--d-1", str(args.d_1)], work))
         for url, process in zip(urls, processes):
             await wait_ready(f"{url}/health", process)
-        config = {"plugin": router, "t_hot_tokens": args.t_hot_tokens, "t_cool_s": args.t_cool_s / args.speedup}
-        await record_facts(settings, config, urls, capacity, args.max_model_len)
+        config = AliasConfig.model_validate({
+            "alias": ALIAS, "router": {"plugin": router, "t_hot_tokens": args.t_hot_tokens,
+                                       "t_cool_s": args.t_cool_s / args.speedup},
+            "backends": {"vllm": {"model_name": ALIAS, "model_path": "simulated", "gpu_memory_gb": 24,
+                                  "engine": "simulator", "max_model_len": args.max_model_len}}})
+        await record_running(settings, [(config, {f"v{i}": url for i, url in enumerate(urls)}, capacity)])
         gateway_port = free_port()
         gateway = Process(f"{router}-gateway", [python, "-m", "services.cli", "gateway"], work, {
             "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url, "MODELPOOL_NAMESPACE": settings.namespace,
@@ -181,7 +156,7 @@ def main() -> None:
     args.t_cool_s = DEFAULT_T_COOL_S if args.t_cool_s is None else args.t_cool_s
     shape = AgenticShape(sessions=args.sessions, span_s=args.span_s, alpha=args.alpha,
                          new_input_tokens=args.new_input_tokens, max_turns=32)
-    trace = [r for r in generate_agentic(shape, args.seed)]
+    trace = generate_agentic(shape, args.seed)
     say(f"trace: {len(trace)} requests in {args.sessions} sessions, input/output {io_ratio(trace):.0f}, "
         f"top 1 % of sessions carry {skew(trace)[0.01]:.0%} of the input")
     results: dict[str, dict] = {}

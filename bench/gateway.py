@@ -55,26 +55,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.ops.load import quantile  # noqa: E402
-from shared.contracts.backends import BackendType, EngineKind  # noqa: E402
 from shared.contracts.config import AliasConfig  # noqa: E402
-from shared.contracts.events import (  # noqa: E402
-    AliasConfigured,
-    InstanceStateChanged,
-    RoutingStateChanged,
-    event_registry,
-)
-from shared.contracts.messages import Envelope  # noqa: E402
-from shared.contracts.states import InstanceState, RoutingState  # noqa: E402
-from shared.eventlog.db import create_engine, migrate_async  # noqa: E402
-from shared.eventlog.store import make_store  # noqa: E402
 from shared.net import free_port  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 
-from harness import Process, drop_namespace, wait_ready  # noqa: E402
+from harness import Process, drop_namespace, record_running, wait_ready  # noqa: E402
 
 ALIAS = "tiny"
 OVERLOAD_ALIAS = "tiny-capped"
-SLOW = BackendType.VLLM
 API_KEY = "sk-modelpool-bench-" + secrets.token_hex(8)
 """Both proxies check a key, as they would in production (LiteLLM refuses to start without one)."""
 
@@ -86,25 +74,9 @@ def say(message: str) -> None:
 # --------------------------------------------------------------------------- processes
 
 
-async def record_facts(settings: Settings, aliases: dict[str, tuple[str, int | None]]) -> None:
-    """What the controller and the worker would have recorded: per alias, its one running instance
-    (engine URL, reported capacity) and its routing state."""
-    await migrate_async(settings)
-    db = create_engine(settings, pool_size=1)
-    store = make_store(db, event_registry(), settings.namespace)
-    for alias, (engine_url, capacity) in aliases.items():
-        config = AliasConfig.model_validate({"alias": alias, "backends": {"vllm": {
-            "model_name": alias, "model_path": "simulated", "gpu_memory_gb": 12, "engine": "simulator"}}})
-        await store.append(f"alias:{alias}", [Envelope.wrap(AliasConfigured(alias=alias, config=config))])
-        for from_state, to_state in ((InstanceState.ABSENT, InstanceState.STARTING),
-                                     (InstanceState.STARTING, InstanceState.RUNNING)):
-            await store.append(f"instance:{alias}-1", [Envelope.wrap(InstanceStateChanged(
-                instance_id=f"{alias}-1", alias=alias, backend_type=SLOW, engine=EngineKind.SIMULATOR, worker_id="w1",
-                from_state=from_state, to_state=to_state, reason="bench", endpoint=engine_url, capacity=capacity))])
-        await store.append(f"alias:{alias}", [Envelope.wrap(RoutingStateChanged(
-            alias=alias, from_state=RoutingState.COLD, to_state=RoutingState.VLLM_PRIMARY, reason="bench",
-            mix_weight=1.0, policy="bench"))])
-    await db.dispose()
+def vllm_alias(alias: str) -> AliasConfig:
+    return AliasConfig.model_validate({"alias": alias, "backends": {"vllm": {
+        "model_name": alias, "model_path": "simulated", "gpu_memory_gb": 12, "engine": "simulator"}}})
 
 
 def litellm_config(path: Path, engine_url: str) -> Path:
@@ -325,7 +297,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         processes += [engine, capped]
         await wait_ready(f"{engine_url}/health", engine)
         await wait_ready(f"{capped_url}/health", capped)
-        await record_facts(settings, {ALIAS: (engine_url, None), OVERLOAD_ALIAS: (capped_url, args.capacity)})
+        await record_running(settings, [(vllm_alias(ALIAS), {f"{ALIAS}-1": engine_url}, None),
+                                        (vllm_alias(OVERLOAD_ALIAS), {f"{OVERLOAD_ALIAS}-1": capped_url}, args.capacity)])
         gateway = Process("gateway", [python, "-m", "services.cli", "gateway"], work, {
             "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url,
             "MODELPOOL_NAMESPACE": settings.namespace, "MODELPOOL_GATEWAY_PORT": str(gateway_port),

@@ -351,14 +351,14 @@ class Exchange:
         replica bound the session first, its binding wins: the slot is given back
         and the request placed again, on the winner's host.
         """
-        admission = self.gateway.admission
-        for attempt in range(3):
+        admission, attempts = self.gateway.admission, 3
+        while True:
+            attempts -= 1
             admitted = admission.admit(self.alias, self.ask)
             slot = admitted if isinstance(admitted, Slot) else await self._wait(send, admitted)
-            if not slot.binds or await self._record_session(slot) == slot.instance_id or attempt == 2:
+            if not slot.binds or await self._record_session(slot) == slot.instance_id or not attempts:
                 return slot
             admission.release(slot)
-        raise AssertionError("unreachable")
 
     async def _record_session(self, slot: Slot) -> str:
         """Bind the session to the slot's instance, or record its move there; the host the log then names."""

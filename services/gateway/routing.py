@@ -161,17 +161,17 @@ class Router:
             return None
         scheduler = self.scheduler(alias)
         kv_len = ((self.config(alias).get("backends") or {}).get(backend.value) or {}).get("max_model_len")
-        endpoints = [self._endpoint(row, ask, scheduler.reads_cache, kv_len) for row in rows.values()]
+        endpoints = {i: self._endpoint(row, ask, scheduler.reads_cache, kv_len) for i, row in rows.items()}
         if scheduler.binds_sessions and self.sessions is not None:
             session = self.sessions.state(ask.prompt.session_id)
         else:
             session = SessionState(ask.prompt.session_id)
-        choice = scheduler.choose(RoutingRequest(session, ask.tokens, self.wall()), endpoints)
+        choice = scheduler.choose(RoutingRequest(session, ask.tokens, self.wall()), list(endpoints.values()))
         if choice is None:
             return None
         instance_id = choice.instance_id
         row = rows[instance_id]
-        cached = self._cached_tokens(alias, instance_id, ask)
+        cached = endpoints[instance_id].cached_tokens if scheduler.reads_cache else self._cached_tokens(alias, instance_id, ask)
         pending = max(0, ask.tokens - cached)
         self.inflight[instance_id] = self.inflight.get(instance_id, 0) + 1
         self.pending[instance_id] = self.pending.get(instance_id, 0) + pending
