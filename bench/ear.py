@@ -41,7 +41,7 @@ from shared.contracts.events import event_registry  # noqa: E402
 from shared.contracts.trace import TraceRequest  # noqa: E402
 from shared.eventlog.db import create_engine  # noqa: E402
 from shared.eventlog.store import make_store  # noqa: E402
-from shared.net import free_port  # noqa: E402
+from shared.net import free_ports  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 from simulation.agentic import AgenticShape, generate_agentic, io_ratio, skew  # noqa: E402
 
@@ -68,7 +68,10 @@ async def migrations_of(settings: Settings, t_cool_wall_s: float) -> dict:
         times.setdefault(event.payload["session_id"], []).append(event.occurred_at.timestamp())
         reasons[event.payload["reason"]] = reasons.get(event.payload["reason"], 0) + 1
     thrash = sum(1 for ts in times.values() if any(b - a < t_cool_wall_s for a, b in zip(sorted(ts), sorted(ts)[1:])))
-    return {"migrations": len(moves), "reasons": reasons, "thrash_sessions": thrash, "sessions_bound": len(bound)}
+    carried = [e.payload["metrics"] for e in moves if e.payload["metrics"].get("kv_moved")]
+    return {"migrations": len(moves), "reasons": reasons, "thrash_sessions": thrash, "sessions_bound": len(bound),
+            "kv_moves": len(carried), "kv_tokens_moved": int(sum(m["kv_tokens"] for m in carried)),
+            "kv_move_s_max": max((m["kv_move_s"] for m in carried), default=None)}
 
 
 async def run_router(router: str, args: argparse.Namespace, trace: list[TraceRequest], work: Path) -> dict:
@@ -77,24 +80,26 @@ async def run_router(router: str, args: argparse.Namespace, trace: list[TraceReq
     processes: list[Process] = []
     capacity = args.kv_cache_tokens // args.max_model_len  # what the worker reads from a vLLM engine
     try:
-        urls = []
+        engines: dict[str, tuple[str, str | None]] = {}
+        ports = free_ports(2 * args.engines + 1)
         for i in range(args.engines):
-            port = free_port()
-            urls.append(f"http://127.0.0.1:{port}")
+            port, internal_port = ports[2 * i], ports[2 * i + 1]
+            engines[f"v{i}"] = (f"http://127.0.0.1:{port}", f"http://127.0.0.1:{internal_port}" if args.kv_moves else None)
             processes.append(Process(f"{router}-engine-{i}", [
                 python, "-m", "services.cli", "engine", "sim", "--profile", "vllm", "--model", ALIAS, "--port", str(port),
+                "--internal-port", str(internal_port), "--kv-transfer-gb-s", str(args.kv_transfer_gb_s),
                 "--speedup", str(args.speedup), "--startup-s", "0", "--seed", str(i),
                 "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-model-len", str(args.max_model_len),
                 "--d-1", str(args.d_1)], work))
-        for url, process in zip(urls, processes):
+        for (url, _), process in zip(engines.values(), processes):
             await wait_ready(f"{url}/health", process)
         config = AliasConfig.model_validate({
             "alias": ALIAS, "router": {"plugin": router, "t_hot_tokens": args.t_hot_tokens,
-                                       "t_cool_s": args.t_cool_s / args.speedup},
+                                       "t_cool_s": args.t_cool_s / args.speedup, "move_kv": args.kv_moves},
             "backends": {"vllm": {"model_name": ALIAS, "model_path": "simulated", "gpu_memory_gb": 24,
                                   "engine": "simulator", "max_model_len": args.max_model_len}}})
-        await record_running(settings, [(config, {f"v{i}": url for i, url in enumerate(urls)}, capacity)])
-        gateway_port = free_port()
+        await record_running(settings, [(config, engines, capacity)])
+        gateway_port = ports[-1]
         gateway = Process(f"{router}-gateway", [python, "-m", "services.cli", "gateway"], work, {
             "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url, "MODELPOOL_NAMESPACE": settings.namespace,
             "MODELPOOL_GATEWAY_PORT": str(gateway_port), "MODELPOOL_GATEWAY_ID": "bench", "MODELPOOL_QUEUE_SIZE": "4096",
@@ -147,6 +152,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=65_536)
     parser.add_argument("--t-hot-tokens", type=int, default=None, help="EAR's T_hot (default: the pool's default)")
     parser.add_argument("--t-cool-s", type=float, default=None, help="EAR's T_cool in trace seconds (default: the pool's)")
+    parser.add_argument("--no-kv-moves", dest="kv_moves", action="store_false",
+                        help="EAR's moved sessions recompute their context (as on vLLM) instead of taking their KV along")
+    parser.add_argument("--kv-transfer-gb-s", type=float, default=10.0, help="the engines' modelled KV link, GB/s")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
@@ -166,7 +174,7 @@ def main() -> None:
             r = results[router] = asyncio.run(run_router(router, args, trace, Path(tmp)))
             say(f"{router}: TTFT p90 {r['ttft_s']['p90']} s, worst instance p90 {r['instance_ttft_p90_s']['max']} s, "
                 f"APC {r['apc']} of {r['apc_upper_bound_intra_session']}, amplification {r['amplification']}, "
-                f"{r['migrations']} migrations, {r['failed']} failed")
+                f"{r['migrations']} migrations ({r['kv_moves']} with their KV), {r['failed']} failed")
     if args.plot:
         plot(results, args.plot)
     keyed = {router: {k: v for k, v in r.items() if k != "served"} for router, r in results.items()}
@@ -179,6 +187,7 @@ def main() -> None:
         "worst_instance_ttft_p90_s": {k: r["instance_ttft_p90_s"]["max"] for k, r in keyed.items()},
         "amplification": {k: r["amplification"] for k, r in keyed.items()},
         "migrations": ear.get("migrations"), "thrash_sessions": ear.get("thrash_sessions"),
+        "kv_moves": ear.get("kv_moves"), "kv_transfer_gb_s": args.kv_transfer_gb_s if args.kv_moves else None,
         "runs": keyed,
     }))
 

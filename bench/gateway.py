@@ -297,8 +297,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         processes += [engine, capped]
         await wait_ready(f"{engine_url}/health", engine)
         await wait_ready(f"{capped_url}/health", capped)
-        await record_running(settings, [(vllm_alias(ALIAS), {f"{ALIAS}-1": engine_url}, None),
-                                        (vllm_alias(OVERLOAD_ALIAS), {f"{OVERLOAD_ALIAS}-1": capped_url}, args.capacity)])
+        await record_running(settings, [(vllm_alias(ALIAS), {f"{ALIAS}-1": (engine_url, None)}, None),
+                                        (vllm_alias(OVERLOAD_ALIAS), {f"{OVERLOAD_ALIAS}-1": (capped_url, None)}, args.capacity)])
         gateway = Process("gateway", [python, "-m", "services.cli", "gateway"], work, {
             "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url,
             "MODELPOOL_NAMESPACE": settings.namespace, "MODELPOOL_GATEWAY_PORT": str(gateway_port),

@@ -77,21 +77,26 @@ async def drop_namespace(settings: Settings) -> None:
     await nc.close()
 
 
-async def record_running(settings: Settings, aliases: list[tuple[AliasConfig, dict[str, str], int | None]]) -> None:
+Engines = dict[str, tuple[str, str | None]]
+"""Instance id -> (engine URL, internal URL or None)."""
+
+
+async def record_running(settings: Settings, aliases: list[tuple[AliasConfig, Engines, int | None]]) -> None:
     """What the controller and the workers would record: each alias configured, its vLLM instances
-    (id -> engine URL) running with the capacity their engines report, and the alias VLLM_PRIMARY."""
+    running with the capacity their engines report, and the alias VLLM_PRIMARY."""
     await migrate_async(settings)
     db = create_engine(settings, pool_size=1)
     store = make_store(db, event_registry(), settings.namespace)
     for config, engines, capacity in aliases:
         alias = config.alias
         await store.append(f"alias:{alias}", [Envelope.wrap(AliasConfigured(alias=alias, config=config))])
-        for instance, url in engines.items():
+        for instance, (url, internal) in engines.items():
             for before, after in ((InstanceState.ABSENT, InstanceState.STARTING),
                                   (InstanceState.STARTING, InstanceState.RUNNING)):
                 await store.append(f"instance:{instance}", [Envelope.wrap(InstanceStateChanged(
                     instance_id=instance, alias=alias, backend_type=BackendType.VLLM, engine=EngineKind.SIMULATOR,
-                    worker_id="w1", from_state=before, to_state=after, reason="bench", endpoint=url, capacity=capacity))])
+                    worker_id="w1", from_state=before, to_state=after, reason="bench", endpoint=url, internal_endpoint=internal,
+                    capacity=capacity))])
         await store.append(f"alias:{alias}", [Envelope.wrap(RoutingStateChanged(
             alias=alias, from_state=RoutingState.COLD, to_state=RoutingState.VLLM_PRIMARY, reason="bench",
             mix_weight=1.0, policy="bench"))])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.net import free_port
+from shared.net import free_ports
 
 
 async def eventually(predicate, timeout: float = 10.0, interval: float = 0.05):
@@ -110,6 +110,8 @@ class EngineProcess:
     url: str
     proc: subprocess.Popen
     log_path: Path
+    internal_url: str | None = None
+    """The engine's internal port (KV export and import), when started with one."""
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -120,15 +122,31 @@ class EngineProcess:
             self.proc.wait()
 
 
-def start_engine(log_dir: Path, profile: str, alias: str, *options: str, env: dict[str, str] | None = None) -> EngineProcess:
-    port = free_port()
+def start_engine(log_dir: Path, profile: str, alias: str, *options: str, env: dict[str, str] | None = None,
+                 internal: bool = False) -> EngineProcess:
+    port, *internal_ports = free_ports(2 if internal else 1)
+    internal_port = internal_ports[0] if internal else None
     log_path = log_dir / f"engine-{profile}-{port}.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "engine", "sim", "--profile", profile, "--port", str(port),
-         "--model", alias, "--startup-s", "0", *options],
+         "--model", alias, "--startup-s", "0", *options,
+         *(["--internal-port", str(internal_port)] if internal_port else [])],
         stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
     )
-    return EngineProcess(f"http://127.0.0.1:{port}", proc, log_path)
+    return EngineProcess(f"http://127.0.0.1:{port}", proc, log_path,
+                         f"http://127.0.0.1:{internal_port}" if internal_port else None)
+
+
+def start_llama_engine(log_dir: Path, alias: str, *options: str) -> EngineProcess:
+    """`modelpool engine llama.cpp` (the real model, SmolLM2-135M) as a child process, with its internal port."""
+    port, internal_port = free_ports(2)
+    log_path = log_dir / f"engine-llama.cpp-{port}.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--port", str(port), "--model-alias", alias,
+         "--internal-port", str(internal_port), "--threads", "1", "--log-level", "warning", *options],
+        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    return EngineProcess(f"http://127.0.0.1:{port}", proc, log_path, f"http://127.0.0.1:{internal_port}")
 
 
 def wait_healthy(engines: list[EngineProcess], timeout: float = 60) -> None:

@@ -195,6 +195,17 @@ def test_old_versions_are_upcast_on_read():
         Registry([Ping]).decode(old)
 
 
+def test_instance_state_changes_of_every_version_read_as_the_latest():
+    v1 = {"instance_id": "i1", "alias": "a", "backend_type": "vllm", "engine": "vllm", "worker_id": "w1",
+          "from_state": "ABSENT", "to_state": "STARTING", "reason": "r", "endpoint": "http://h:1"}
+    registry = event_registry()
+    assert registry.upcast("InstanceStateChanged", 1, v1) == (
+        3, {**v1, "exit_code": None, "log_tail": None, "internal_endpoint": None})
+    v2 = {**v1, "exit_code": 1, "log_tail": "boom"}
+    version, latest = registry.upcast("InstanceStateChanged", 2, v2)
+    assert version == 3 and InstanceStateChanged.model_validate(latest).internal_endpoint is None
+
+
 def test_every_contract_type_is_unique_and_registered():
     events, commands = event_registry(), command_registry()
     assert events.known("RoutingStateChanged") and commands.known("StartInstance")

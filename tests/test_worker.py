@@ -116,9 +116,13 @@ async def test_the_same_command_delivered_twice_has_one_effect(worker, store, bu
     assert await outcomes(store, "v1") == [("start", "ok")]
     assert len([i for i in worker.instances.values() if i.process is not None]) == 1
     endpoint = worker.instances["v1"].endpoint
+    internal = worker.instances["v1"].process.internal_endpoint
     async with httpx.AsyncClient() as client:
         models = (await client.get(f"{endpoint}/v1/models")).json()
+        assert (await client.get(f"{internal}/health")).status_code == 200  # the KV port, recorded apart
     assert models["data"][0]["id"] == "qwen3-vl-2b"
+    running = (await changes(store, "v1"))[-1].payload
+    assert running["internal_endpoint"] == internal != running["endpoint"]
 
 
 async def test_two_copies_of_a_command_handled_at_once_have_one_effect(worker, store, monkeypatch):

@@ -45,6 +45,7 @@ from services.gateway.edge import (
     read_body,
     unexpected_error,
 )
+from services.gateway.kv_moves import KVMove, move_kv
 from services.gateway.meter import Meter, Outcome, RequestTrace, outcome_of
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
@@ -71,7 +72,7 @@ from shared.openai_protocol import (
     too_many_requests,
 )
 from shared.projections.live import LiveView
-from shared.projections.readmodels import ROUTING, SESSIONS
+from shared.projections.readmodels import INSTANCES, ROUTING, SESSIONS
 from shared.settings import Settings
 from shared.telemetry import Telemetry
 
@@ -365,10 +366,29 @@ class Exchange:
         sessions, session_id = self.gateway.sessions, self.ask.prompt.session_id
         if slot.moved_from is not None:
             self.gateway.metrics.session_moved(self.alias, slot.reason)
-            return await sessions.migrate(session_id, self.alias, slot.moved_from, slot.instance_id, slot.reason, {})
+            move = await self._move_kv(slot)
+            return await sessions.migrate(session_id, self.alias, slot.moved_from, slot.instance_id, slot.reason,
+                                          move.metrics())
         if session_id not in sessions.bindings:
             return await sessions.bind(session_id, self.alias, slot.instance_id)
         return slot.instance_id
+
+    async def _move_kv(self, slot: Slot) -> KVMove:
+        """Carry the session's KV from its old host to the slot's instance, where the router and engines allow."""
+        gateway = self.gateway
+        config = gateway.router.router_config(self.alias)
+        if not config.move_kv:
+            return KVMove(False, detail="move_kv is off")
+        assert slot.moved_from is not None
+        move = await move_kv(gateway.client, gateway.view[INSTANCES].get(slot.moved_from), slot.instance, self.path,
+                             self.payload, config.kv_move_timeout_s, gateway.clock)
+        gateway.metrics.kv_move(self.alias, move.moved, move.seconds)
+        if move.moved:
+            gateway.router.kv_moved(slot, move.tokens)
+        else:
+            log.info("session %s moved to %s without its KV: %s", self.ask.prompt.session_id, slot.instance_id,
+                     move.detail)
+        return move
 
     async def _wait(self, send: Send, waiter: Waiter) -> Slot:
         """Wait in the alias's queue for a slot; raise `Refused` when the wait's budget runs out first.

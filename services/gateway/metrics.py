@@ -35,6 +35,8 @@ class GatewayMetrics:
         self.cold_starts: dict[str, int] = {}
         self.demand_signals: dict[str, int] = {}
         self.session_moves: dict[tuple[str, str], int] = {}
+        self.kv_moves: dict[tuple[str, str], int] = {}
+        self.kv_move_seconds: dict[tuple[str, str], float] = {}
 
     def request(self, alias: str, backend: str, outcome: str, status: int | None) -> None:
         """`status`: the HTTP status the client got (None: it left before any)."""
@@ -63,6 +65,11 @@ class GatewayMetrics:
     def session_moved(self, alias: str, reason: str) -> None:
         key = (alias, reason)
         self.session_moves[key] = self.session_moves.get(key, 0) + 1
+
+    def kv_move(self, alias: str, moved: bool, seconds: float) -> None:
+        key = (alias, "moved" if moved else "recomputed")
+        self.kv_moves[key] = self.kv_moves.get(key, 0) + 1
+        self.kv_move_seconds[key] = self.kv_move_seconds.get(key, 0.0) + seconds
 
     def demand_signalled(self, alias: str) -> None:
         self.demand_signals[alias] = self.demand_signals.get(alias, 0) + 1
@@ -97,6 +104,14 @@ class GatewayMetrics:
                "Sessions moved from their host by the alias's router, by reason (host_hot, host_gone).")
         for (alias, reason), n in sorted(self.session_moves.items()):
             out.append(f"modelpool:session_migrations_total{{{_labels(alias=alias, reason=reason)}}} {n}")
+        family(out, "modelpool:session_kv_moves_total", "counter",
+               "Moved sessions whose KV went along (moved) or was recomputed on the new host (recomputed).")
+        for (alias, outcome), n in sorted(self.kv_moves.items()):
+            out.append(f"modelpool:session_kv_moves_total{{{_labels(alias=alias, outcome=outcome)}}} {n}")
+        family(out, "modelpool:session_kv_move_seconds_total", "counter",
+               "Time spent moving sessions' KV (export, transfer, import), by outcome.")
+        for (alias, outcome), t in sorted(self.kv_move_seconds.items()):
+            out.append(f"modelpool:session_kv_move_seconds_total{{{_labels(alias=alias, outcome=outcome)}}} {t:.6f}")
         family(out, "modelpool:num_requests_waiting", "gauge", "Requests waiting in the gateway for a slot right now.")
         for alias in sorted({*meter.aliases, *waiting}):
             out.append(f"modelpool:num_requests_waiting{{{_labels(alias=alias)}}} {waiting.get(alias, 0)}")

@@ -202,6 +202,17 @@ class Router:
         if slot.pending:
             self._unpend(slot)
 
+    def kv_moved(self, slot: Slot, tokens: int) -> None:
+        """The slot's session brought `tokens` of its KV along: they need no prefill on the new host."""
+        done = min(slot.pending, tokens)
+        if done:
+            left = self.pending.get(slot.instance_id, 0) - done
+            slot.pending -= done
+            if left > 0:
+                self.pending[slot.instance_id] = left
+            else:
+                self.pending.pop(slot.instance_id, None)
+
     def routable(self, alias: str) -> bool:
         """Whether any instance the routing state allows is running, full or not."""
         # A draw of 0 lists every backend the state allows (MIXED lists both whatever the weight).

@@ -28,7 +28,7 @@ import httpx
 from services.worker.status import METRIC_NAMES, EngineStatus, Scrape, StatusTracker, parse_scrape
 from shared.contracts.backends import BackendType, EngineKind
 from shared.contracts.commands import StartInstance
-from shared.net import free_port
+from shared.net import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +57,27 @@ def default_log_dir(worker_id: str) -> Path:
     return Path(tempfile.gettempdir()) / f"modelpool-worker-{worker_id}"
 
 
-def engine_argv(spec: StartInstance, port: int, options: EngineOptions) -> tuple[list[str], dict[str, str]]:
+def engine_argv(spec: StartInstance, port: int, options: EngineOptions,
+                internal_port: int | None = None) -> tuple[list[str], dict[str, str]]:
     """The command line (and extra environment) that starts the engine for `spec`.
+
+    `internal_port`, for engines that can export and import a session's KV
+    (`has_internal_port`), is where the gateway moves it; it binds the
+    worker's host like the public port, and is recorded apart from it.
 
     Engines are told not to log a line per HTTP request: the worker reads their
     /metrics every second, and their log is kept for its last lines, which must
     say why an engine died.
     """
     argv, env = _base_argv(spec, port, options)
+    if internal_port is not None and has_internal_port(spec.engine):
+        argv += ["--internal-host", options.host, "--internal-port", str(internal_port)]
     return argv + engine_flags(spec.engine_args), env
+
+
+def has_internal_port(engine: EngineKind) -> bool:
+    """Whether the engine serves KV export and import (vLLM has no such API: a moved session recomputes)."""
+    return engine in (EngineKind.LLAMA_CPP, EngineKind.SIMULATOR)
 
 
 def engine_flags(args: dict[str, str | int | float | bool]) -> list[str]:
@@ -115,6 +127,7 @@ class EngineProcess:
     backend_type: BackendType
     engine: EngineKind
     endpoint: str
+    internal_endpoint: str | None
     process: asyncio.subprocess.Process
     client: httpx.AsyncClient = field(repr=False)
     log_path: Path
@@ -293,8 +306,9 @@ class EngineLauncher:
         self.options = options
 
     async def launch(self, spec: StartInstance) -> EngineProcess:
-        port = free_port(self.options.host)
-        argv, extra_env = engine_argv(spec, port, self.options)
+        port, *internal = free_ports(2 if has_internal_port(spec.engine) else 1, self.options.host)
+        internal_port = internal[0] if internal else None
+        argv, extra_env = engine_argv(spec, port, self.options, internal_port)
         log.info("starting %s engine for %s: %s", spec.engine.value, spec.instance_id, " ".join(argv))
         log_path = self.options.log_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.instance_id)}.log"
         try:
@@ -311,6 +325,7 @@ class EngineLauncher:
         except OSError as exc:
             raise EngineError(f"cannot start {argv[0]}: {exc.strerror} ({exc.filename or log_path})") from exc
         endpoint = f"http://{self.options.host}:{port}"
-        return EngineProcess(spec.instance_id, spec.backend_type, spec.engine, endpoint, process,
+        internal = f"http://{self.options.host}:{internal_port}" if internal_port is not None else None
+        return EngineProcess(spec.instance_id, spec.backend_type, spec.engine, endpoint, internal, process,
                              httpx.AsyncClient(base_url=endpoint), log_path, log_start,
                              StatusTracker(asyncio.get_running_loop().time()))

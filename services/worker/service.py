@@ -412,7 +412,8 @@ class Worker:
             worker_id=self.worker_id, from_state=inst.state, to_state=to_state, reason=reason,
             sleep_level=inst.sleep_level if to_state in (S.SLEEP_1, S.SLEEP_2) else 0,
             capacity=inst.process.capacity if inst.process else None,
-            endpoint=inst.endpoint, command_id=cause.id if cause else None, exit_code=exit_code, log_tail=log_tail,
+            endpoint=inst.endpoint, internal_endpoint=inst.process.internal_endpoint if inst.process else None,
+            command_id=cause.id if cause else None, exit_code=exit_code, log_tail=log_tail,
         )
         events = [Envelope.wrap(change, causation=cause,
                                 id=derived_id(cause.id, marker or to_state.value) if cause else None)]

@@ -12,7 +12,7 @@ A pool file is YAML:
           llama.cpp: {model_name: ..., model_path: ..., gpu_memory_gb: 6.0, min_replicas: 1, max_replicas: 4}
           vllm:      {model_name: ..., model_path: ..., gpu_memory_gb: 12.0, min_replicas: 0, max_replicas: 2,
                       max_model_len: 4096, tensor_parallel_size: 1, engine: simulator}
-        router: {plugin: ear, t_hot_tokens: 4096, t_cool_s: 30}   # optional; RouterConfig
+        router: {plugin: ear, t_hot_tokens: 2048, t_cool_s: 30}   # optional; RouterConfig
 
 Layers, later wins: the defaults below, the file, the environment (`HYBRID_ALPHA=0.6`),
 explicit arguments. Every error names the field and the file it came from.
@@ -50,10 +50,11 @@ class ConfigError(ValueError):
         super().__init__(f"{field}{where}: {message}")
 
 
-DEFAULT_T_HOT_TOKENS = 4096
-"""EAR's T_hot: the value of the comparison in docs/benchmarks.md ("EAR routing")."""
+DEFAULT_T_HOT_TOKENS = 2048
+"""EAR's T_hot, from the sweep in docs/benchmarks.md ("EAR's sensitivity"): within 2 % of the best TTFT
+p90 (1024) with a third of its moves, for engines whose moved sessions recompute."""
 DEFAULT_T_COOL_S = 30.0
-"""EAR's T_cool, in seconds: the value of the comparison in docs/benchmarks.md ("EAR routing")."""
+"""EAR's T_cool, in seconds, from the same sweep: 10-90 s differ within the runs' spread, none thrashes."""
 
 FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]*$")
 
@@ -108,6 +109,11 @@ class RouterConfig(BaseModel):
     """kv-aware: the weight of the load (pending prefill tokens)."""
     session_idle_s: float = Field(default=600.0, gt=0)
     """Routers that bind sessions release one idle this long."""
+    move_kv: bool = True
+    """EAR: a moved session takes its KV along where both engines can export and import it (their
+    internal ports); otherwise, or when the move fails, the new host recomputes the context."""
+    kv_move_timeout_s: float = Field(default=10.0, gt=0)
+    """EAR: a KV move that takes longer is abandoned, and the new host recomputes."""
 
 
 class AliasConfig(BaseModel):

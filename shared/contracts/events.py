@@ -247,10 +247,12 @@ class PlacementFailed(Event):
 
 
 class InstanceStateChanged(Event):
-    """v2: `exit_code` and `log_tail` say how an engine that died ended."""
+    """v2: `exit_code` and `log_tail` say how an engine that died ended.
+    v3: `internal_endpoint`, the engine's port for other modelpool services only (KV export and
+    import), never its public one; None for engines without one (vLLM)."""
 
     TYPE = "InstanceStateChanged"
-    VERSION = 2
+    VERSION = 3
     CATEGORY = "instance"
     instance_id: str
     alias: str
@@ -263,6 +265,7 @@ class InstanceStateChanged(Event):
     sleep_level: int = Field(default=0, ge=0, le=2)
     capacity: int | None = Field(default=None, ge=0)
     endpoint: str | None = None
+    internal_endpoint: str | None = None
     command_id: uuid.UUID | None = None
     exit_code: int | None = None
     log_tail: str | None = None
@@ -381,11 +384,16 @@ def _add_exit_details(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "exit_code": None, "log_tail": None}
 
 
+def _add_internal_endpoint(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "internal_endpoint": None}
+
+
 def event_registry() -> Registry:
     """A registry of every event contract, with the upcasters for their old versions."""
     registry = Registry(EVENTS)
     for type_name in (RoutingStateChanged.TYPE, MixWeightChanged.TYPE, ScalingTargetsChanged.TYPE):
         registry.upcaster(type_name, 1)(_add_policy_version)
     registry.upcaster(InstanceStateChanged.TYPE, 1)(_add_exit_details)
+    registry.upcaster(InstanceStateChanged.TYPE, 2)(_add_internal_endpoint)
     registry.upcaster(AliasConfigured.TYPE, 1)(_unchanged)  # v1 payloads are valid v2 payloads
     return registry

@@ -136,6 +136,7 @@ def _instance_state(rows: Rows, event: RawEvent) -> Iterable[str]:
         sleep_level=p.get("sleep_level", 0),
         capacity=p.get("capacity", row.get("capacity")),
         endpoint=p.get("endpoint") or row.get("endpoint"),
+        internal_endpoint=p.get("internal_endpoint") or row.get("internal_endpoint"),
         reason=p["reason"],
         updated_at=event.occurred_at,
     )
@@ -171,6 +172,7 @@ INSTANCES = Projection(
         "inflight",
         "capacity",
         "endpoint",
+        "internal_endpoint",
         "reason",
         "updated_at",
     ),

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from helpers import EngineProcess, start_engine, wait_healthy  # the gateway tests' engines, imported from here
+from helpers import EngineProcess, start_engine, start_llama_engine, wait_healthy  # the gateway tests' engines, imported from here
 from services.gateway.main import serve
 from services.runtime import ServiceContext, open_context
 from shared.bus.relay import Relay
@@ -68,22 +68,24 @@ class Facts:
         self.routing[alias] = (state, weight)
 
     async def instance(self, instance_id: str, backend: BackendType, *states: InstanceState, endpoint: str | None = None,
-                       alias: str = ALIAS, at=None, capacity: int | None = None) -> None:
+                       alias: str = ALIAS, at=None, capacity: int | None = None, internal_endpoint: str | None = None,
+                       engine: EngineKind = EngineKind.SIMULATOR) -> None:
         """Walk an instance through `states` (from ABSENT, or where it was); `at` gives each event's time;
         `capacity`: the concurrent requests its engine reported."""
         for i, state in enumerate(states):
             current = self.instances.get(instance_id, InstanceState.ABSENT)
             event = InstanceStateChanged(
-                instance_id=instance_id, alias=alias, backend_type=backend, engine=EngineKind.SIMULATOR, worker_id="w1",
+                instance_id=instance_id, alias=alias, backend_type=backend, engine=engine, worker_id="w1",
                 from_state=current, to_state=state, reason="test", endpoint=endpoint, capacity=capacity,
+                internal_endpoint=internal_endpoint,
                 sleep_level={InstanceState.SLEEP_1: 1, InstanceState.SLEEP_2: 2}.get(state, 0))
             await self.store.append(f"instance:{instance_id}", [Envelope.wrap(event, occurred_at=at[i] if at else None)])
             self.instances[instance_id] = state
 
     async def running(self, instance_id: str, engine: EngineProcess, backend: BackendType, alias: str = ALIAS,
-                      capacity: int | None = None) -> None:
+                      capacity: int | None = None, kind: EngineKind = EngineKind.SIMULATOR) -> None:
         await self.instance(instance_id, backend, InstanceState.STARTING, InstanceState.RUNNING, endpoint=engine.url, alias=alias,
-                            capacity=capacity)
+                            capacity=capacity, internal_endpoint=engine.internal_url, engine=kind)
 
 
 # --------------------------------------------------------------------------- gateways

@@ -7,7 +7,8 @@ import asyncio
 import httpx
 import pytest
 
-from gateway_support import ALIAS, SLOW, start_engine, wait_healthy
+from gateway_support import ALIAS, FAST, SLOW, start_engine, start_llama_engine, wait_healthy
+from shared.contracts.backends import EngineKind
 from shared.contracts.states import RoutingState as R
 
 EAR = {"plugin": "ear", "t_hot_tokens": 400, "t_cool_s": 30}
@@ -93,9 +94,85 @@ async def test_a_hot_host_moves_the_session_to_a_less_loaded_instance_and_the_mo
         assert [e.type for e in events] == ["SessionBound", "SessionMigrated"]
         assert events[1].payload["from_instance_id"] == host and events[1].payload["to_instance_id"] == target
         assert events[1].payload["reason"] == "host_hot"
+        assert events[1].payload["metrics"]["kv_moved"] == 0  # engines without an internal port: recompute
         assert 'modelpool:session_migrations_total{alias="tiny",reason="host_hot"} 1' in await gateway.metrics()
     finally:
         for engine in slow:
+            engine.stop()
+
+
+@pytest.mark.parametrize("move_kv", [True, False])
+async def test_a_moved_session_takes_its_kv_along_and_its_next_turn_hits_the_cache_on_the_new_host(
+        facts, gateways, store, tmp_path, move_kv):
+    slow = [start_engine(tmp_path, "vllm", ALIAS, "--d-1", "0.004", internal=True) for _ in range(2)]
+    try:
+        wait_healthy(slow)
+        await facts.alias(router={**EAR, "move_kv": move_kv})
+        for i, engine in enumerate(slow):
+            await facts.running(f"v{i}", engine, SLOW)
+        await facts.route(R.VLLM_PRIMARY)
+        gateway = await gateways.start()
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+            headers = {"x-session-id": "agent"}
+            context = "the repository layout and its build files " * 40
+            first = await client.post("/v1/chat/completions", json=chat(context), headers=headers)
+            host, answer = first.headers["x-modelpool-instance"], first.json()["choices"][0]["message"]["content"]
+            long_turn = asyncio.create_task(client.post("/v1/chat/completions", json=chat("word " * 2000),
+                                                        headers=headers))
+            await asyncio.sleep(0.3)  # the long prompt is in prefill on the host: over T_hot
+            moved = await client.post("/v1/chat/completions", json=chat(context, answer, "now run the tests"),
+                                      headers=headers)
+            assert moved.status_code == 200 and (await long_turn).status_code == 200, moved.text
+        assert moved.headers["x-modelpool-instance"] != host
+        migrated = (await store.read_stream(f"session:{ALIAS}/agent"))[1]
+        assert migrated.type == "SessionMigrated"
+        kv, cached = migrated.payload["metrics"], moved.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if move_kv:
+            assert kv["kv_moved"] == 1 and kv["kv_tokens"] >= 256 and kv["kv_move_s"] > 0, kv
+            assert kv["kv_bytes"] == kv["kv_tokens"] * 114_688  # the simulated engine's bytes per token
+            assert cached >= kv["kv_tokens"]  # the next turn found the moved blocks on the new host
+            assert 'modelpool:session_kv_moves_total{alias="tiny",outcome="moved"} 1' in await gateway.metrics()
+        else:
+            assert kv["kv_moved"] == 0 and cached == 0
+    finally:
+        for engine in slow:
+            engine.stop()
+
+
+async def test_on_real_llama_cpp_engines_a_moved_sessions_next_turn_is_served_from_the_moved_kv(
+        facts, gateways, store, tmp_path):
+    real = [start_llama_engine(tmp_path, ALIAS) for _ in range(2)]
+    try:
+        wait_healthy(real, timeout=120)
+        await facts.alias(router={**EAR, "t_hot_tokens": 200})
+        for i, engine in enumerate(real):
+            await facts.running(f"f{i}", engine, FAST, kind=EngineKind.LLAMA_CPP)
+        await facts.route(R.FAST_ONLY)
+        gateway = await gateways.start()
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as client:
+            headers = {"x-session-id": "agent"}
+            context = "Summarise what the build files and the test suite of this repository do. " * 6
+            first = await client.post("/v1/chat/completions", json=chat(context, max_tokens=8, temperature=0),
+                                      headers=headers)
+            assert first.status_code == 200, first.text
+            host, answer = first.headers["x-modelpool-instance"], first.json()["choices"][0]["message"]["content"]
+            # A long turn of the same session keeps its host in prefill (over T_hot) for a while on a CPU.
+            long_turn = asyncio.create_task(client.post("/v1/chat/completions", json=chat("word " * 700),
+                                                        headers=headers))
+            await asyncio.sleep(0.3)
+            moved = await client.post("/v1/chat/completions", json=chat(context, answer, "Now list the tests.",
+                                                                        max_tokens=8, temperature=0), headers=headers)
+            assert moved.status_code == 200 and (await long_turn).status_code == 200, moved.text
+        assert moved.headers["x-modelpool-instance"] != host
+        assert moved.headers["x-modelpool-engine"] == "llama.cpp"
+        kv = (await store.read_stream(f"session:{ALIAS}/agent"))[1].payload["metrics"]
+        cached = moved.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        print(f"moved {kv['kv_tokens']:.0f} tokens ({kv['kv_bytes'] / 1e6:.1f} MB) in {kv['kv_move_s'] * 1000:.1f} ms; "
+              f"the next turn on the new host: {cached} of {moved.json()['usage']['prompt_tokens']} prompt tokens cached")
+        assert kv["kv_moved"] == 1 and kv["kv_bytes"] > 0
+        assert cached >= first.json()["usage"]["prompt_tokens"]  # turn 1's context came along: not recomputed
+    finally:
+        for engine in real:
             engine.stop()
 
 

@@ -19,6 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-alias", help="model name clients ask for (default: the file's stem)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8080)")
+    p.add_argument("--internal-host", help="bind address of the internal port (default 127.0.0.1)")
+    p.add_argument("--internal-port", type=int,
+                   help="port for other modelpool services only: KV export and import for session moves "
+                   "(default: none). Never expose it: it reads and writes cached conversations")
     p.add_argument("--n-seq-max", type=int, help="sequence ids / parallel sequences, 1..256 (default 8)")
     p.add_argument("--n-ctx", type=int, help="total KV cells, split evenly across sequences (default 2048 per sequence)")
     p.add_argument("--n-batch", type=int, help="most tokens per llama_decode call (default 512)")
@@ -48,16 +52,19 @@ def main(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    import uvicorn
+    from shared.net import serve_beside
 
     from .engine import LlamaEngine
     from .http_app import build_app
+    from .internal_app import build_internal_app
 
     try:
         engine = LlamaEngine(settings)
     except FileNotFoundError as exc:
         print(f"modelpool engine llama.cpp: {exc}", file=sys.stderr)
         return 2
-    app = build_app(engine)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, loop="auto", http="auto")
+    internal = None
+    if settings.internal_port is not None:
+        internal = (build_internal_app(engine), settings.internal_host, settings.internal_port)
+    serve_beside((build_app(engine), settings.host, settings.port), internal, log_level=args.log_level)
     return 0

@@ -15,7 +15,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from .kv_cache import KVCacheManager, KVLimits
 from .llama_backend import BackendConfig, DecodeError, LlamaBackend, Sampler
@@ -54,6 +56,18 @@ class StepRecord:
     @property
     def request_ids(self) -> set[int]:
         return {rid for _, rid, _, _ in self.seqs}
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """A cached sequence's KV as llama.cpp exports it, with the tokens it holds."""
+
+    tokens: list[int]
+    state: bytes
+
+
+class KVBusy(RuntimeError):
+    """Every sequence id is decoding: no room to import a sequence now."""
 
 
 @dataclass
@@ -96,6 +110,7 @@ class LlamaEngine:
         self._scheduler: Scheduler | None = None
         self._generations: dict[int, _Generation] = {}
         self._ready = threading.Event()
+        self._jobs: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -121,6 +136,8 @@ class LlamaEngine:
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        while self._jobs:
+            self._jobs.popleft()[1].set_exception(RuntimeError("the engine stopped"))
         if self.backend is not None:
             for gen in self._generations.values():
                 gen.sampler.free()
@@ -158,6 +175,75 @@ class LlamaEngine:
             self.metrics.cancelled += 1
             self._lock.notify_all()
             return True
+
+    # -- KV moves (the internal port's side) --------------------------------------
+    def export_kv(self, prompt_tokens: list[int]) -> "Future[SequenceState | None]":
+        """The cached sequence sharing the longest prefix with `prompt_tokens`; None when none does."""
+
+        def export() -> SequenceState | None:
+            assert self.backend is not None and self._scheduler is not None
+            entry, common = self._scheduler.kv.best_prefix(
+                prompt_tokens, range(self._scheduler.seq_ids.n_seq_max), include_running=True
+            )
+            if entry is None or common == 0:
+                return None
+            self.metrics.kv_exports += 1
+            return SequenceState(list(entry.tokens), self.backend.export_seq(entry.seq_id))
+
+        return self._on_decode_thread(export)
+
+    def import_kv(self, moved: SequenceState) -> "Future[int]":
+        """Park a sequence exported by another engine of the same model; its sequence id.
+
+        Raises `KVBusy` when every sequence id is decoding, `DecodeError` when
+        llama.cpp refuses the state.
+        """
+
+        def import_() -> int:
+            assert self.backend is not None and self._scheduler is not None
+            if len(moved.tokens) >= self.backend.n_ctx_seq:
+                raise ValueError(f"{len(moved.tokens)} tokens do not fit a sequence of {self.backend.n_ctx_seq}")
+            request_id = next(self._ids)
+            seq_id = self._scheduler.adopt(request_id, list(moved.tokens), self.clock())
+            if seq_id is None:
+                raise KVBusy("every sequence id is decoding")
+            try:
+                self.backend.import_seq(seq_id, moved.state, len(moved.tokens))
+            except DecodeError:
+                self._scheduler.kv.drop(request_id)
+                raise
+            self.metrics.kv_imports += 1
+            return seq_id
+
+        return self._on_decode_thread(import_)
+
+    def _on_decode_thread(self, job: Callable[[], Any]) -> "Future[Any]":
+        """Run `job` on the decode thread between two steps: only that thread may touch the context."""
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._stopping or not self.ready:
+                future.set_exception(RuntimeError("the engine is not serving"))
+                return future
+            self._jobs.append((job, future))
+            self._lock.notify_all()
+        return future
+
+    def _run_jobs(self) -> None:
+        """Jobs see the KV exactly as the scheduler books it: pending trims and copies are applied first."""
+        assert self.backend is not None and self._scheduler is not None
+        if not self._jobs:
+            return
+        try:
+            self.backend.apply(self._scheduler.take_kv_ops())
+        except DecodeError:
+            log.exception("applying KV operations before a KV move failed")
+        while self._jobs:
+            job, future = self._jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(job())
+                except Exception as exc:
+                    future.set_exception(exc)
 
     def slots(self) -> list[dict[str, object]]:
         if self._scheduler is None:
@@ -240,6 +326,7 @@ class LlamaEngine:
             with self._lock:
                 if self._stopping:
                     return
+                self._run_jobs()
                 now = self.clock()
                 if now - last_scan >= self.settings.timeout_scan_interval_s:
                     last_scan = now

@@ -187,13 +187,13 @@ class EngineAPI:
         )
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, ChatCompletionRequest, self._chat_prompt, chat=True)
+        return await self._serve(request, ChatCompletionRequest, self.chat_prompt, chat=True)
 
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, CompletionRequest, self._completion_prompt, chat=False)
+        return await self._serve(request, CompletionRequest, self.completion_prompt, chat=False)
 
     # -- shared request path -------------------------------------------------------
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         _one_choice(body)
         for index, message in enumerate(body.messages):
             for part in message.content if isinstance(message.content, list) else ():
@@ -209,7 +209,7 @@ class EngineAPI:
             raise bad_request(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
         return self._tokenize(text)
 
-    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
         _one_choice(body)
         prompt = body.prompt_text()
         if isinstance(prompt, list):

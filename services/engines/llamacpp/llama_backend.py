@@ -170,6 +170,25 @@ class LlamaBackend:
         the whole stream buffer at the start of the next llama_decode (cheap next to recomputing)."""
         llama.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
 
+    def export_seq(self, seq_id: int) -> bytes:
+        """The state of one sequence (its KV cells and their positions), as llama.cpp serialises it."""
+        size = llama.llama_state_seq_get_size(self.ctx, seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama.llama_state_seq_get_data(self.ctx, buf, size, seq_id)
+        if n == 0:
+            raise DecodeError(f"llama.cpp could not export sequence {seq_id}")
+        return ctypes.string_at(buf, n)
+
+    def import_seq(self, seq_id: int, state: bytes, n_tokens: int) -> None:
+        """Replace sequence `seq_id` with an exported state, keeping its first `n_tokens` positions."""
+        llama.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if llama.llama_state_seq_set_data(self.ctx, buf, len(state), seq_id) == 0:
+            llama.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+            raise DecodeError("llama.cpp refused the sequence state: it belongs to another model or does not fit")
+        # Cells past what the exporter's bookkeeping covers (a trim it had not applied yet) go.
+        self.seq_rm(seq_id, n_tokens)
+
     def apply(self, kv_ops: Sequence[tuple[str, int, int]]) -> None:
         for op, a, b in kv_ops:
             if op == "trim":

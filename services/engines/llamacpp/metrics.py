@@ -21,6 +21,8 @@ class EngineMetrics:
     generated_tokens: int = 0
     reused_tokens: int = 0
     prefix_copies: int = 0
+    kv_exports: int = 0
+    kv_imports: int = 0
     decode_steps: int = 0
     decode_seconds: float = 0.0
     rejected_429: int = 0
@@ -56,6 +58,8 @@ def render_prometheus(
     counter("llamacpp:tokens_predicted_total", "Tokens generated.", m.generated_tokens)
     counter("llamacpp:prompt_tokens_reused_total", "Prompt tokens served from a cached prefix.", m.reused_tokens)
     counter("llamacpp:prefix_copies_total", "Cached prefixes copied from another sequence.", m.prefix_copies)
+    counter("llamacpp:kv_exports_total", "Sequences exported to another engine (session moves).", m.kv_exports)
+    counter("llamacpp:kv_imports_total", "Sequences imported from another engine (session moves).", m.kv_imports)
     counter("llamacpp:decode_steps_total", "llama_decode calls.", m.decode_steps)
     counter("llamacpp:decode_seconds_total", "Time spent in llama_decode.", m.decode_seconds)
     counter("llamacpp:requests_completed_total", "Requests completed.", m.completed)

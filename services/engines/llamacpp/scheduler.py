@@ -254,6 +254,36 @@ class Scheduler:
         tracked.generated.append(token)
         return tracked
 
+    def adopt(self, request_id: int, tokens: list[int], now: float) -> int | None:
+        """Park `tokens` as a finished request's KV on a free sequence id, for the next turn to reuse.
+
+        The KV itself arrives from another engine (a session's move); this only
+        books it: an id no running request holds, an empty one first, else the
+        one whose parked entry was used least recently (evicted). None when
+        every id is busy. The caller writes the state into the returned id.
+        """
+        free = self.seq_ids.free_ids()
+        if not free:
+            return None
+
+        def last_used(seq_id: int) -> float:
+            parked = self.kv.parked_on(seq_id)
+            return float("-inf") if parked is None else parked.last_used
+
+        seq_id = min(free, key=last_used)
+        victim = self.kv.parked_on(seq_id)
+        if victim is not None:
+            self.kv.drop(victim.request_id)
+            self.kv.evictions += 1
+        self.kv.open(request_id, seq_id, now, tokens)
+        self.kv.set_state(request_id, RequestState.COMPLETED, now)
+        return seq_id
+
+    def take_kv_ops(self) -> list[KVOp]:
+        """The KV operations not yet applied, for the decode thread to apply now (before it reads KV state)."""
+        ops, self._kv_ops = self._kv_ops, []
+        return ops
+
     def cleanup_kv(self) -> list[KVEntry]:
         """Periodic KV cleanup: LRU-evict parked entries above the eviction threshold."""
         evicted = self.kv.evict_over_threshold()

@@ -31,6 +31,9 @@ class EngineSettings(BaseModel):
     """Name clients use in `model`; defaults to the file's stem (or `smollm2-135m-instruct`)."""
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
+    internal_host: str = "127.0.0.1"
+    internal_port: int | None = Field(default=None, ge=0, le=65535)
+    """The port for other modelpool services (KV export and import); None: not served."""
 
     # llama.cpp backend
     n_seq_max: int = Field(default=8, ge=1, le=LLAMA_MAX_SEQ)
@@ -67,6 +70,8 @@ class EngineSettings(BaseModel):
             raise ValueError(
                 f"max_batch_size ({self.max_batch_size}) must not exceed max_running ({self.max_running})"
             )
+        if self.internal_port is not None and self.internal_port == self.port and self.internal_host == self.host:
+            raise ValueError(f"internal_port ({self.internal_port}) must differ from the public port")
         if self.n_ctx is not None and self.n_ctx < self.n_seq_max * 32:
             raise ValueError(f"n_ctx ({self.n_ctx}) leaves fewer than 32 cells per sequence")
         return self

@@ -385,15 +385,27 @@ class EngineServer:
             decode, reason = limit, "length"
         else:
             decode, reason = natural, "stop"
-        hashes: tuple[int, ...] = ()
-        if config.enable_prefix_caching:
-            ids = tokens if isinstance(tokens[0], int) else [zlib.crc32(t.encode()) for t in tokens]
-            hashes = block_hashes(ids, config.block_size)
+        hashes = self.block_hashes(tokens) if config.enable_prefix_caching else ()
         self._next_id += 1
         return Generation(
             request_id=f"sim-{self._next_id}", prompt_tokens=prompt_tokens, decode_length=decode,
             stop_reason=reason, text_seed=text_seed, prefix_hashes=hashes,
         ), shape
+
+    def block_hashes(self, tokens: list[str] | list[int]) -> tuple[int, ...]:
+        """The prompt's chained block hashes, the keys of the prefix cache."""
+        ids = tokens if tokens and isinstance(tokens[0], int) else [zlib.crc32(t.encode()) for t in tokens]  # type: ignore[union-attr]
+        return block_hashes(ids, self.config.block_size)  # type: ignore[arg-type]
+
+    def prompt_of(self, endpoint: str, body: dict[str, Any]) -> list[str] | list[int]:
+        """The prompt's tokens as the public route `endpoint` would see them (for the internal port's KV export)."""
+        if endpoint == "/v1/chat/completions":
+            chat = ChatCompletionRequest.model_validate(body)
+            return synthetic.chat_pieces([(m.role, m.content) for m in chat.messages])
+        if endpoint == "/v1/completions":
+            prompt = CompletionRequest.model_validate(body).prompt_text()
+            return synthetic.pieces(prompt) if isinstance(prompt, str) else list(prompt)
+        raise bad_request("endpoint must be /v1/chat/completions or /v1/completions", param="endpoint")
 
     def _submit(self, gen: Generation) -> None:
         try:

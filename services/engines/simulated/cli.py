@@ -25,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", choices=["vllm", "llama.cpp"], default="vllm", help="which engine to look like")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000 for vllm, 8080 for llama.cpp)")
+    p.add_argument("--internal-host", help="bind address of the internal port (default 127.0.0.1)")
+    p.add_argument("--internal-port", type=int,
+                   help="port for other modelpool services only: modelled KV export and import (default: none)")
+    p.add_argument("--kv-transfer-gb-s", type=float, help="modelled KV link bandwidth between engines, GB/s (10)")
     p.add_argument("--model", help="served model name (default qwen3-vl-2b)")
     p.add_argument("--speedup", type=float, help="simulated seconds per wall second (tests use large values)")
     p.add_argument("--seed", type=int)
@@ -70,6 +74,8 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from services.engines.simulated.app import create_app
+    from services.engines.simulated.kv_transfer import create_internal_app
+    from shared.net import serve_beside
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(
@@ -78,8 +84,12 @@ def main(argv: list[str]) -> int:
         f"start-up {config.startup_s / config.speedup:.1f} s" + (" then a failed start (fail_start)" if config.fail_start else ""),
         file=sys.stderr, flush=True,
     )
-    uvicorn.run(
-        create_app(config), host=config.host, port=config.port, log_level=log_level,
-        access_log=False, timeout_graceful_shutdown=5,
-    )
+    app = create_app(config)
+    if config.internal_port is None:
+        uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
+                    access_log=False, timeout_graceful_shutdown=5)
+        return 0
+    serve_beside((app, config.host, config.port),
+                 (create_internal_app(app.state.server), config.internal_host, config.internal_port),
+                 log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
     return 0

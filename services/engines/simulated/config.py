@@ -38,6 +38,9 @@ class EngineConfig(BaseModel):
     profile: Profile = "vllm"
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    internal_host: str = "127.0.0.1"
+    internal_port: int | None = Field(default=None, ge=0, le=65535)
+    """The port for other modelpool services (KV export and import for session moves); None: not served."""
     model: str = "qwen3-vl-2b"
     speedup: float = Field(default=1.0, gt=0.0)
     """Simulated seconds per wall-clock second: every delay is divided by it."""
@@ -79,6 +82,9 @@ class EngineConfig(BaseModel):
     """GPU memory still held while asleep (CUDA context, buffers)."""
     kv_bytes_per_token: int = Field(default=114_688, ge=1)
     """28 layers x 2 (K, V) x 8 KV heads x 128 dims x 2 bytes, a Qwen3-VL-2B-like shape."""
+    kv_transfer_gb_s: float = Field(default=10.0, gt=0.0)
+    """Bandwidth of the modelled KV link between engines (GB/s, simulated time): a moved session's KV
+    takes bytes / bandwidth to import. About a 100 Gb/s RDMA NIC; vLLM itself has no export API."""
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -1,0 +1,70 @@
+"""A moved session's KV, carried from its old host to the new one over the engines' internal ports.
+
+EAR (seed 004) moves a session off a hot host; without its KV the new host
+recomputes the whole context, the very prefill the move meant to avoid
+queueing behind. Engines that can (llama.cpp, and the simulator's model of a
+KV link) export the cached sequence the request's prompt continues and import
+it on the target; the request then finds its prefix cached there. vLLM has no
+such API: its moved sessions recompute. Every failure falls back to recompute:
+the request is served either way, only later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from shared.kv_frames import MEDIA_TYPE
+
+
+@dataclass(frozen=True, slots=True)
+class KVMove:
+    """What a move did: recorded in `SessionMigrated.metrics`."""
+
+    moved: bool
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    detail: str = ""
+    """Why nothing moved (for the log)."""
+
+    def metrics(self) -> dict[str, float]:
+        return {"kv_moved": float(self.moved), "kv_tokens": float(self.tokens), "kv_bytes": float(self.bytes),
+                "kv_move_s": round(self.seconds, 6)}
+
+
+async def move_kv(client: aiohttp.ClientSession, source: dict[str, Any] | None, target: dict[str, Any],
+                  endpoint: str, payload: bytes, timeout_s: float,
+                  clock: Callable[[], float] = time.monotonic) -> KVMove:
+    """Export from `source` the KV the request `payload` (for `endpoint`) continues; import it into `target`."""
+    src = (source or {}).get("internal_endpoint")
+    dst = target.get("internal_endpoint")
+    if not src or not dst:
+        if source is None:
+            detail = "the old host is gone"
+        elif not src:
+            detail = f"{source['instance_id']} ({source.get('engine')}) exports no KV"
+        else:
+            detail = f"{target['instance_id']} ({target.get('engine')}) imports no KV"
+        return KVMove(False, detail=f"{detail}: the new host recomputes")
+    start = clock()
+    try:
+        async with asyncio.timeout(timeout_s):
+            body = b'{"endpoint":' + orjson.dumps(endpoint) + b',"request":' + payload + b"}"
+            async with client.post(f"{src}/kv/export", data=body, headers={"content-type": "application/json"}) as r:
+                if r.status != 200:
+                    return KVMove(False, seconds=clock() - start, detail=f"export: {r.status} {(await r.text())[:300]}")
+                frame = await r.read()
+            async with client.post(f"{dst}/kv/import", data=frame, headers={"content-type": MEDIA_TYPE}) as r:
+                if r.status != 200:
+                    return KVMove(False, seconds=clock() - start, detail=f"import: {r.status} {(await r.text())[:300]}")
+                done = await r.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return KVMove(False, seconds=clock() - start, detail=f"{type(exc).__name__}: {exc}")
+    return KVMove(True, int(done["n_tokens"]), int(done["bytes"]), clock() - start)
