@@ -24,6 +24,31 @@ async def session_events(store, session_id: str) -> list[str]:
     return [e.type for e in await store.read_stream(f"session:{ALIAS}/{session_id}")]
 
 
+async def pool_of(engines, facts, gateways, router: dict, backend=SLOW, kind=EngineKind.SIMULATOR):
+    """A gateway in front of `engines`, the alias routed to their backend by `router`."""
+    wait_healthy(engines, timeout=120)
+    await facts.alias(router=router)
+    for i, engine in enumerate(engines):
+        await facts.running(f"{'v' if backend is SLOW else 'f'}{i}", engine, backend, kind=kind)
+    await facts.route(R.VLLM_PRIMARY if backend is SLOW else R.FAST_ONLY)
+    return await gateways.start()
+
+
+async def turn_off_a_hot_host(client: httpx.AsyncClient, first_turn: dict, next_turn, long_words: int = 2000):
+    """A session's first turn; then, while a long turn of the same session keeps its host in prefill (over
+    T_hot), its next turn (`next_turn(first answer)`). Both answers, the next one's status checked."""
+    headers = {"x-session-id": "agent"}
+    first = await client.post("/v1/chat/completions", json=first_turn, headers=headers)
+    assert first.status_code == 200, first.text
+    long_turn = asyncio.create_task(client.post("/v1/chat/completions", json=chat("word " * long_words),
+                                                headers=headers))
+    await asyncio.sleep(0.3)
+    moved = await client.post("/v1/chat/completions", json=next_turn(first.json()["choices"][0]["message"]["content"]),
+                              headers=headers)
+    assert moved.status_code == 200 and (await long_turn).status_code == 200, moved.text
+    return first, moved
+
+
 @pytest.fixture
 async def two_vllm(engines, facts):
     await facts.alias(router=EAR)
@@ -74,21 +99,10 @@ async def test_a_hot_host_moves_the_session_to_a_less_loaded_instance_and_the_mo
     # Prefill slow enough (4 ms a token) that a long prompt keeps its host hot for a while.
     slow = [start_engine(tmp_path, "vllm", ALIAS, "--d-1", "0.004") for _ in range(2)]
     try:
-        wait_healthy(slow)
-        await facts.alias(router=EAR)
-        for i, engine in enumerate(slow):
-            await facts.running(f"v{i}", engine, SLOW)
-        await facts.route(R.VLLM_PRIMARY)
-        gateway = await gateways.start()
+        gateway = await pool_of(slow, facts, gateways, EAR)
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
-            headers = {"x-session-id": "agent"}
-            first = await client.post("/v1/chat/completions", json=chat("start"), headers=headers)
-            host = first.headers["x-modelpool-instance"]
-            long_turn = asyncio.create_task(client.post("/v1/chat/completions", json=chat("word " * 2000), headers=headers))
-            await asyncio.sleep(0.3)  # the long prompt is in prefill on the host: over T_hot
-            moved = await client.post("/v1/chat/completions", json=chat("quick question"), headers=headers)
-            assert moved.status_code == 200 and (await long_turn).status_code == 200
-        target = moved.headers["x-modelpool-instance"]
+            first, moved = await turn_off_a_hot_host(client, chat("start"), lambda _: chat("quick question"))
+        host, target = first.headers["x-modelpool-instance"], moved.headers["x-modelpool-instance"]
         assert target != host
         events = await store.read_stream(f"session:{ALIAS}/agent")
         assert [e.type for e in events] == ["SessionBound", "SessionMigrated"]
@@ -106,24 +120,12 @@ async def test_a_moved_session_takes_its_kv_along_and_its_next_turn_hits_the_cac
         facts, gateways, store, tmp_path, move_kv):
     slow = [start_engine(tmp_path, "vllm", ALIAS, "--d-1", "0.004", internal=True) for _ in range(2)]
     try:
-        wait_healthy(slow)
-        await facts.alias(router={**EAR, "move_kv": move_kv})
-        for i, engine in enumerate(slow):
-            await facts.running(f"v{i}", engine, SLOW)
-        await facts.route(R.VLLM_PRIMARY)
-        gateway = await gateways.start()
+        gateway = await pool_of(slow, facts, gateways, {**EAR, "move_kv": move_kv})
+        context = "the repository layout and its build files " * 40
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
-            headers = {"x-session-id": "agent"}
-            context = "the repository layout and its build files " * 40
-            first = await client.post("/v1/chat/completions", json=chat(context), headers=headers)
-            host, answer = first.headers["x-modelpool-instance"], first.json()["choices"][0]["message"]["content"]
-            long_turn = asyncio.create_task(client.post("/v1/chat/completions", json=chat("word " * 2000),
-                                                        headers=headers))
-            await asyncio.sleep(0.3)  # the long prompt is in prefill on the host: over T_hot
-            moved = await client.post("/v1/chat/completions", json=chat(context, answer, "now run the tests"),
-                                      headers=headers)
-            assert moved.status_code == 200 and (await long_turn).status_code == 200, moved.text
-        assert moved.headers["x-modelpool-instance"] != host
+            first, moved = await turn_off_a_hot_host(
+                client, chat(context), lambda answer: chat(context, answer, "now run the tests"))
+        assert moved.headers["x-modelpool-instance"] != first.headers["x-modelpool-instance"]
         migrated = (await store.read_stream(f"session:{ALIAS}/agent"))[1]
         assert migrated.type == "SessionMigrated"
         kv, cached = migrated.payload["metrics"], moved.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -143,27 +145,14 @@ async def test_on_real_llama_cpp_engines_a_moved_sessions_next_turn_is_served_fr
         facts, gateways, store, tmp_path):
     real = [start_llama_engine(tmp_path, ALIAS) for _ in range(2)]
     try:
-        wait_healthy(real, timeout=120)
-        await facts.alias(router={**EAR, "t_hot_tokens": 200})
-        for i, engine in enumerate(real):
-            await facts.running(f"f{i}", engine, FAST, kind=EngineKind.LLAMA_CPP)
-        await facts.route(R.FAST_ONLY)
-        gateway = await gateways.start()
+        gateway = await pool_of(real, facts, gateways, {**EAR, "t_hot_tokens": 200}, FAST, EngineKind.LLAMA_CPP)
+        context = "Summarise what the build files and the test suite of this repository do. " * 6
         async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as client:
-            headers = {"x-session-id": "agent"}
-            context = "Summarise what the build files and the test suite of this repository do. " * 6
-            first = await client.post("/v1/chat/completions", json=chat(context, max_tokens=8, temperature=0),
-                                      headers=headers)
-            assert first.status_code == 200, first.text
-            host, answer = first.headers["x-modelpool-instance"], first.json()["choices"][0]["message"]["content"]
-            # A long turn of the same session keeps its host in prefill (over T_hot) for a while on a CPU.
-            long_turn = asyncio.create_task(client.post("/v1/chat/completions", json=chat("word " * 700),
-                                                        headers=headers))
-            await asyncio.sleep(0.3)
-            moved = await client.post("/v1/chat/completions", json=chat(context, answer, "Now list the tests.",
-                                                                        max_tokens=8, temperature=0), headers=headers)
-            assert moved.status_code == 200 and (await long_turn).status_code == 200, moved.text
-        assert moved.headers["x-modelpool-instance"] != host
+            # 700 words keep a CPU engine's host in prefill for a while.
+            first, moved = await turn_off_a_hot_host(
+                client, chat(context, max_tokens=8, temperature=0),
+                lambda answer: chat(context, answer, "Now list the tests.", max_tokens=8, temperature=0), 700)
+        assert moved.headers["x-modelpool-instance"] != first.headers["x-modelpool-instance"]
         assert moved.headers["x-modelpool-engine"] == "llama.cpp"
         kv = (await store.read_stream(f"session:{ALIAS}/agent"))[1].payload["metrics"]
         cached = moved.json()["usage"]["prompt_tokens_details"]["cached_tokens"]

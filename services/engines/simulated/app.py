@@ -400,11 +400,9 @@ class EngineServer:
     def prompt_of(self, endpoint: str, body: dict[str, Any]) -> list[str] | list[int]:
         """The prompt's tokens as the public route `endpoint` would see them (for the internal port's KV export)."""
         if endpoint == "/v1/chat/completions":
-            chat = ChatCompletionRequest.model_validate(body)
-            return synthetic.chat_pieces([(m.role, m.content) for m in chat.messages])
+            return _chat_tokens(ChatCompletionRequest.model_validate(body))
         if endpoint == "/v1/completions":
-            prompt = CompletionRequest.model_validate(body).prompt_text()
-            return synthetic.pieces(prompt) if isinstance(prompt, str) else list(prompt)
+            return _completion_tokens(CompletionRequest.model_validate(body).prompt_text())
         raise bad_request("endpoint must be /v1/chat/completions or /v1/completions", param="endpoint")
 
     def _submit(self, gen: Generation) -> None:
@@ -454,7 +452,7 @@ class EngineServer:
         self._check_model(req.model)
         extra = req.model_extra or {}
         k = shaping.top_logprobs(extra)
-        tokens = synthetic.chat_pieces([(m.role, m.content) for m in req.messages])
+        tokens = _chat_tokens(req)
         choices = [self._generation(tokens, req.output_limit(), req.seed, _ignore_eos(req), "messages", index,
                                     lambda seed: shaping.shape_of(extra, req.messages, self.filler, seed))
                    for index in range(req.n)]
@@ -506,7 +504,7 @@ class EngineServer:
         req: CompletionRequest = await self._parse(request, CompletionRequest)
         self._check_model(req.model)
         prompt = req.prompt_text()
-        tokens: list[str] | list[int] = synthetic.pieces(prompt) if isinstance(prompt, str) else list(prompt)
+        tokens = _completion_tokens(prompt)
         if req.n != 1:
             raise bad_request("the simulated engine answers n > 1 on /v1/chat/completions only", param="n")
         gen, _ = self._generation(tokens, req.output_limit(), req.seed, _ignore_eos(req), "prompt")
@@ -664,6 +662,14 @@ class EngineServer:
         else:
             routes.append(Route("/slots", self.slots, methods=["GET"]))
         return routes
+
+
+def _chat_tokens(req: ChatCompletionRequest) -> list[str]:
+    return synthetic.chat_pieces([(m.role, m.content) for m in req.messages])
+
+
+def _completion_tokens(prompt: str | list[int]) -> list[str] | list[int]:
+    return synthetic.pieces(prompt) if isinstance(prompt, str) else list(prompt)
 
 
 def _ignore_eos(req: BaseModel) -> bool:
