@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from shared.contracts.backends import BackendType
+from shared.contracts.backends import BackendType, Role
 from shared.contracts.control import (
     AliasSnapshot,
     ColdStart,
@@ -42,6 +42,28 @@ class Ladder:
 
 RELEASE_AT_ONCE = Ladder(sleep_1_after_s=0.0)
 """Let a surplus instance go now (for llama.cpp: the drain + delete substitute)."""
+DELETE_AT_ONCE = Ladder(delete_after_s=0.0)
+"""Drain and delete a surplus instance now, whatever its backend."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pacing:
+    """How fast the shared rules let a tier's wish take effect.
+
+    A scale-up waits `up_cooldown_s` after the tier's last one. Unless
+    `by_ladder` (surplus goes only as its ladder's idle times allow), a
+    scale-down waits for `down_windows` consecutive windows asking for fewer,
+    then `down_cooldown_s` after the last scale-down (after the last scaling
+    of either kind with `down_after_any`), and lets at most `down_step`
+    instances go per decision (None: all the surplus).
+    """
+
+    up_cooldown_s: float = 0.0
+    down_cooldown_s: float = 0.0
+    down_windows: int = 1
+    down_step: int | None = None
+    down_after_any: bool = False
+    by_ladder: bool = False
 
 
 @dataclass(slots=True)
@@ -52,8 +74,11 @@ class Wish:
     """Awake replicas (running or starting)."""
     reason: str
     ladder: Ladder = RELEASE_AT_ONCE
+    pacing: Pacing = Pacing(by_ladder=True)
     urgent: bool = False
     """Surplus goes now, past hysteresis and cooldowns (the tier failed, or the alias is going cold)."""
+    roles: dict[Role, int] | None = None
+    """In a disaggregated alias: the replicas by role (summing to `replicas`)."""
 
 
 @dataclass(slots=True)

@@ -8,9 +8,10 @@ per instance: an instance with a command pending gets no other.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shared.contracts.backends import Action, BackendType
+from shared.contracts.backends import Action, BackendType, Role
 from shared.contracts.control import AliasSnapshot, InstanceView
 from shared.contracts.states import InstanceState
 
@@ -33,6 +34,18 @@ class TierCensus:
     """Instances with a command pending."""
     supply: int
     """Awake, waking and starting: what the tier has, counting what is on its way."""
+    by_role: dict[Role, int]
+    """The supply by role, in a disaggregated tier (empty otherwise)."""
+    unseen_roles: tuple[Role | None, ...] = ()
+    """The roles of the unseen starts."""
+
+
+def _by_role(counted: Iterable[InstanceView], unseen: Iterable[Role | None]) -> dict[Role, int]:
+    out: dict[Role, int] = {}
+    for role in (*(i.role for i in counted), *unseen):
+        if role is not None:
+            out[role] = out.get(role, 0) + 1
+    return out
 
 
 def census(s: AliasSnapshot, backend: BackendType) -> TierCensus:
@@ -40,7 +53,8 @@ def census(s: AliasSnapshot, backend: BackendType) -> TierCensus:
     if not pending:  # most ticks of most aliases: nothing in flight
         instances = s.of(backend)
         awake = tuple(i for i in instances if i.state in AWAKE_STATES)
-        return TierCensus(awake, (), tuple(i for i in instances if i.state in ASLEEP_STATES), 0, frozenset(), len(awake))
+        return TierCensus(awake, (), tuple(i for i in instances if i.state in ASLEEP_STATES), 0, frozenset(), len(awake),
+                          _by_role(awake, ()))
     awake, waking, asleep, busy = [], [], [], []
     for i in s.of(backend):
         command = pending.get(i.instance_id)
@@ -55,8 +69,8 @@ def census(s: AliasSnapshot, backend: BackendType) -> TierCensus:
                 waking.append(i)
             elif command is None:
                 asleep.append(i)
-    unseen = 0
-    if pending:
-        known = {i.instance_id for i in s.instances}
-        unseen = sum(1 for p in s.pending if p.action is Action.START and p.backend is backend and p.instance_id not in known)
-    return TierCensus(tuple(awake), tuple(waking), tuple(asleep), unseen, frozenset(busy), len(awake) + len(waking) + unseen)
+    known = {i.instance_id for i in s.instances}
+    unseen = tuple(p.role for p in s.pending
+                   if p.action is Action.START and p.backend is backend and p.instance_id not in known)
+    return TierCensus(tuple(awake), tuple(waking), tuple(asleep), len(unseen), frozenset(busy),
+                      len(awake) + len(waking) + len(unseen), _by_role((*awake, *waking), unseen), unseen)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 
 from policy.base import Policy
+from policy.baselines import LatencyPolicy, PeriodicPolicy, UtilizationPolicy
 from policy.census import census
+from policy.heteroscale import HeteroScalePolicy
 from policy.hybrid import HybridPolicy
 from policy.ids import decision_id
 from policy.reconcile import Reconciler
@@ -19,7 +21,8 @@ from shared.contracts.control import (
     new_policy_state,
 )
 
-POLICIES: dict[str, Policy] = {p.name: p for p in (HybridPolicy(),)}
+POLICIES: dict[str, Policy] = {p.name: p for p in (HybridPolicy(), HeteroScalePolicy(), UtilizationPolicy(),
+                                                     LatencyPolicy(), PeriodicPolicy())}
 
 class UnknownPolicy(LookupError):
     pass
@@ -68,4 +71,5 @@ def decide(snapshot: AliasSnapshot, now: datetime) -> Decision:
         actions=actions,
         outlook=tuple(outlook),
         cold_start=proposal.cold_start,
+        roles={r: n for p in plans.values() if p.roles for r, n in p.roles.items()},
     )

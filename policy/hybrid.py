@@ -32,8 +32,10 @@ from functools import lru_cache
 from datetime import datetime, timedelta
 from typing import ClassVar
 
-from policy.base import RELEASE_AT_ONCE, Ladder, Proposal, Wish
+from policy.base import DELETE_AT_ONCE, RELEASE_AT_ONCE, Ladder, Pacing, Proposal, Wish
 from policy.capacity import c_down, c_eff, c_prepare, c_up, c_vllm_estimate, l_target
+from policy.coldstart import first_serving
+from policy.load import Load, load_of
 from shared.contracts.backends import BackendType
 from shared.contracts.config import PolicySettings
 from shared.contracts.control import (
@@ -52,62 +54,6 @@ FAST, SLOW = BackendType.LLAMA_CPP, BackendType.VLLM
 R = RoutingState
 RUNNING, ERROR = InstanceState.RUNNING, InstanceState.ERROR
 DEFAULT_REQUEST_TOKENS = 4096
-
-
-@dataclass(slots=True)
-class Load:
-    """The load one decision works from: the merged gateway window, or the workers' view without one."""
-
-    inflight_fast: float
-    inflight_slow: float
-    waiting: int
-    """Requests held at the gateways for an instance to start or wake."""
-    arrivals: int
-    queue_wait_p95: float | None = None
-    e2e_p95_fast: float | None = None
-    e2e_p95_slow: float | None = None
-    slow_failures: int = 0
-    """vLLM errors and timeouts in the window."""
-    measured: bool = False
-    queued: float = 0.0
-    """Requests waiting in the gateways for a slot, averaged over the window: demand the instances
-    have no room for yet (the gateways admit at most an instance's capacity), so it counts as load."""
-
-    @property
-    def total(self) -> float:
-        """inflight_total of seed 000: every request in the system, on an instance or waiting for one."""
-        return self.inflight_fast + self.inflight_slow + self.queued
-
-    @property
-    def fast_demand(self) -> float:
-        """inflight_fast with the waiting requests: in the states where it is read (FAST_ONLY, DEGRADED_FAST)
-        only the fast tier is routed, so the queue waits for it."""
-        return self.inflight_fast + self.queued
-
-    @property
-    def busy(self) -> bool:
-        return self.total > 0 or self.waiting > 0 or self.arrivals > 0
-
-
-def load_of(s: AliasSnapshot) -> Load:
-    m = s.metrics
-    if m is None:
-        running = [i for i in s.instances if i.state is RUNNING]
-        return Load(
-            inflight_fast=float(sum(i.inflight for i in running if i.backend is FAST)),
-            inflight_slow=float(sum(i.inflight for i in running if i.backend is SLOW)),
-            waiting=s.demand, arrivals=0,
-        )
-    return Load(
-        inflight_fast=m.inflight_fast, inflight_slow=m.inflight_slow, waiting=max(s.demand, m.held),
-        arrivals=m.arrivals, queue_wait_p95=m.queue_wait_p95_s, e2e_p95_fast=m.e2e_p95_fast_s,
-        e2e_p95_slow=m.e2e_p95_slow_s, slow_failures=m.errors_slow + m.timeouts_slow, measured=True,
-        # Waiting for a slot on a running instance is load; waiting for the first one to start is a cold start
-        # (its demand starts one instance, and the held wave is served once it runs). So the queue counts
-        # only in a window with an instance running from its start.
-        queued=m.queue_len if m.queue_len and any(
-            i.state is RUNNING and i.state_since <= m.window_start for i in s.instances) else 0.0,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +101,18 @@ _ladder = lru_cache(maxsize=64)(Ladder)
 """The slow tier's ladder: the same few at every tick of every alias."""
 
 
+@lru_cache(maxsize=64)
+def _fast_pacing(up_cooldown_s: float, down_cooldown_s: float, down_windows: int) -> Pacing:
+    """§5.4: the fast tier shrinks after `down_windows` windows, one replica per cycle and per cooldown."""
+    return Pacing(up_cooldown_s, down_cooldown_s, down_windows, down_step=1)
+
+
+@lru_cache(maxsize=64)
+def _slow_pacing(up_cooldown_s: float) -> Pacing:
+    """The slow tier shrinks by its ladder (sleep, then delete, by idleness)."""
+    return Pacing(up_cooldown_s, by_ladder=True)
+
+
 def _seconds(delta: timedelta) -> float:
     return delta.total_seconds()
 
@@ -200,7 +158,7 @@ class HybridPolicy:
     def propose(self, s: AliasSnapshot, now: datetime, new_window: bool) -> Proposal:
         cfg = s.settings
         load = load_of(s)
-        memory = s.state.policy
+        memory = s.state.policy if isinstance(s.state.policy, HybridState) else HybridState()  # the alias changed policy
         cap = capacity_of(s, memory)
         up = True in self._up_signals(load, cap, cfg)
         counted = new_window or s.metrics is None  # probes and windows count once per window
@@ -432,17 +390,12 @@ class HybridPolicy:
 
     @staticmethod
     def _cold_start(s: AliasSnapshot, state: RoutingState, memory: HybridState) -> tuple[ColdStart | None, HybridState]:
-        """The first instance serving after demand reached a cold alias ends its cold start."""
         if memory.demand_at is None:
             return None, memory
         if state is R.COLD:
             return None, evolve(memory, demand_at=None)
-        serving = sorted((i for i in s.instances if i.state is RUNNING and i.state_since >= memory.demand_at),
-                         key=lambda i: (i.state_since, i.instance_id))
-        if not serving:
-            return None, memory
-        first = serving[0]
-        return ColdStart(first.backend, first.instance_id, memory.demand_at, first.state_since), evolve(memory, demand_at=None)
+        done = first_serving(s, memory.demand_at)
+        return (done, evolve(memory, demand_at=None)) if done else (None, memory)
 
     # ------------------------------------------------------------------ wishes
 
@@ -451,10 +404,12 @@ class HybridPolicy:
         cfg = s.settings
         wishes: dict[BackendType, Wish] = {}
         slow_ladder = _ladder(cfg.VLLM_SLEEP_L1_IDLE_S, cfg.VLLM_SLEEP_L2_IDLE_S, cfg.VLLM_DELETE_IDLE_S)
+        slow = _slow_pacing(cfg.SCALE_UP_COOLDOWN_S)
         fast_cfg = s.config.backends.get(FAST)
         if fast_cfg is not None:
             if state is R.COLD:
-                wishes[FAST] = Wish(0, "COLD: no instance kept")
+                wishes[FAST] = Wish(0, "COLD: no instance kept", RELEASE_AT_ONCE, _fast_pacing(
+                    cfg.SCALE_UP_COOLDOWN_S, cfg.LLAMA_SCALE_DOWN_COOLDOWN_S, cfg.SCALE_DOWN_CONSECUTIVE))
             else:
                 floor = max(cfg.LLAMA_FLOOR_REPLICAS, fast_cfg.min_replicas)
                 serving = t.ready if state in (R.MIXED, R.VLLM_PRIMARY) else []
@@ -467,21 +422,22 @@ class HybridPolicy:
                     awake = sum(1 for i in s.of(FAST) if i.state in (InstanceState.RUNNING, InstanceState.STARTING))
                     if awake > n:
                         n, reason = awake, f"{reason}; the {awake} replicas are kept until VLLM_PRIMARY (§5.3)"
-                wishes[FAST] = Wish(n, reason, RELEASE_AT_ONCE)
+                wishes[FAST] = Wish(n, reason, RELEASE_AT_ONCE, _fast_pacing(
+                    cfg.SCALE_UP_COOLDOWN_S, cfg.LLAMA_SCALE_DOWN_COOLDOWN_S, cfg.SCALE_DOWN_CONSECUTIVE))
         if SLOW in s.config.backends:
             needed = max(1, math.ceil(round(load.total, 3) / cap.c_up))
             if state in (R.WARMING_VLLM, R.MIXED) or (state is R.VLLM_PRIMARY and self._hybrid(s)):
                 wishes[SLOW] = Wish(needed, f"{state.value}: ceil({_fmt(load.total)} / C_up {cap.c_up}) = {needed}, "
-                                            f"at least 1", slow_ladder)
+                                            f"at least 1", slow_ladder, slow)
             elif state is R.VLLM_PRIMARY:  # no fast tier: vLLM serves alone, and may rest when idle for long
                 parked = memory.low_load_since is not None and \
                     now >= memory.low_load_since + timedelta(seconds=cfg.HYBRID_DOWN_HOLD_S)
-                wishes[SLOW] = Wish(0, "vLLM idle past HYBRID_DOWN_HOLD_S", slow_ladder) if parked else \
-                    Wish(needed, f"serves alone: ceil({_fmt(load.total)} / C_up {cap.c_up}) = {needed}", slow_ladder)
+                wishes[SLOW] = Wish(0, "vLLM idle past HYBRID_DOWN_HOLD_S", slow_ladder, slow) if parked else \
+                    Wish(needed, f"serves alone: ceil({_fmt(load.total)} / C_up {cap.c_up}) = {needed}", slow_ladder, slow)
             elif state is R.DEGRADED_FAST:
-                wishes[SLOW] = Wish(0, f"DEGRADED_FAST: {memory.degraded_reason}", Ladder(delete_after_s=0.0), urgent=True)
+                wishes[SLOW] = Wish(0, f"DEGRADED_FAST: {memory.degraded_reason}", DELETE_AT_ONCE, slow, urgent=True)
             else:
-                wishes[SLOW] = Wish(0, f"{state.value}: vLLM not routed; idle instances sleep, then go", slow_ladder)
+                wishes[SLOW] = Wish(0, f"{state.value}: vLLM not routed; idle instances sleep, then go", slow_ladder, slow)
         return wishes
 
     _handlers: ClassVar[dict[RoutingState, Callable[["HybridPolicy", _Tick, HybridState], _Step]]] = {

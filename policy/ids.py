@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from functools import lru_cache
 
-from shared.contracts.backends import Action, BackendType
+from shared.contracts.backends import Action, BackendType, Role
 from shared.contracts.messages import derived_id
 
 _DECISIONS = uuid.UUID("6b0e2c58-3f1d-4f63-9a55-2d7c1e4b8a90")
@@ -26,7 +26,8 @@ def command_id(decision: uuid.UUID, action: Action, instance_id: str) -> uuid.UU
     return derived_id(decision, f"{action.value}:{instance_id}")
 
 
-def new_instance_id(alias: str, backend: BackendType, version: int, index: int) -> str:
-    """`qwen3-vl-2b-fast-12`, `qwen3-vl-2b-slow-12-2`: readable, unique per alias stream version."""
-    base = f"{alias}-{backend.tier}-{version}"
+def new_instance_id(alias: str, backend: BackendType, version: int, index: int, role: Role | None = None) -> str:
+    """`qwen3-vl-2b-fast-12`, `qwen3-vl-2b-slow-12-2`, `qwen3-vl-2b-slow-decode-12-3`: readable, unique per alias
+    stream version."""
+    base = f"{alias}-{backend.tier}-{role.value + '-' if role else ''}{version}"
     return base if index == 0 else f"{base}-{index + 1}"

@@ -18,6 +18,7 @@ its worker answered `unsupported`; the action records what it stands for.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -25,7 +26,7 @@ from policy.base import Ladder
 from policy.census import TierCensus
 from policy.ids import command_id, new_instance_id
 from policy.rules import TierPlan
-from shared.contracts.backends import Action, BackendType, supports
+from shared.contracts.backends import Action, BackendType, Role, supports
 from shared.contracts.control import (
     AliasSnapshot,
     InstanceView,
@@ -89,32 +90,53 @@ class Reconciler:
         self.scaled_up: set[BackendType] = set()
         self.released: set[BackendType] = set()
         """Tiers that started or woke instances, and tiers that let awake ones go, in this decision."""
+        self._started: dict[BackendType, int] = {}
+        """New instances of each tier named so far in this decision (their ids count on)."""
 
     def run(self, plans: dict[BackendType, TierPlan], censuses: dict[BackendType, TierCensus]) -> tuple[PlannedAction, ...]:
         for backend, plan in plans.items():
             c = censuses[backend]
-            if plan.target > c.supply:
-                self._scale_up(backend, plan, c)
+            if plan.roles is not None:
+                self._by_role(backend, plan, c)
+            elif plan.target > c.supply:
+                self._scale_up(backend, plan, c.asleep, plan.target - c.supply)
             else:
                 if plan.target < c.supply and plan.release:
-                    self._release(plan, c)
+                    self._release(plan, c.awake, min(plan.release, c.supply - plan.target))
                 if not plan.halted:
                     self._walk_asleep(plan, c)
             self._clean_up(backend, c)
         return tuple(sorted(self.actions, key=lambda a: (ORDER[a.action], a.backend.value, a.instance_id)))
 
+    def _by_role(self, backend: BackendType, plan: TierPlan, c: TierCensus) -> None:
+        """A disaggregated tier: each role is brought to its own target; instances without a role are surplus."""
+        roles = plan.roles or {}
+        budget = min(plan.release, max(0, c.supply - plan.target)) if plan.release else 0
+        unroled = [i for i in c.awake if i.role is None or i.role not in roles]
+        if unroled and budget:
+            budget -= self._release(plan, unroled, min(budget, len(unroled)))
+        for role, wanted in roles.items():
+            have = c.by_role.get(role, 0)
+            if wanted > have:
+                self._scale_up(backend, plan, tuple(i for i in c.asleep if i.role is role), wanted - have, role)
+            elif wanted < have and budget:
+                budget -= self._release(plan, [i for i in c.awake if i.role is role], min(budget, have - wanted))
+        if not plan.halted:
+            self._walk_asleep(plan, c)
+
     # ------------------------------------------------------------------ steps
 
-    def _scale_up(self, backend: BackendType, plan: TierPlan, c: TierCensus) -> None:
-        need = plan.target - c.supply
-        sleepers = sorted(c.asleep, key=lambda i: (i.sleep_level, -i.idle_since().timestamp(), i.instance_id))
+    def _scale_up(self, backend: BackendType, plan: TierPlan, asleep: tuple[InstanceView, ...], need: int,
+                  role: Role | None = None) -> None:
+        sleepers = sorted(asleep, key=lambda i: (i.sleep_level, -i.idle_since().timestamp(), i.instance_id))
+        what = f"{role.value} " if role else ""
         for i in sleepers:
             if need == 0:
                 break
             if self._recently_failed(i, Action.WAKE) or Action.WAKE in i.unsupported:
                 continue
-            self._emit(i, Action.WAKE, 0, f"scale up to {plan.target}: wake it (sleep level {i.sleep_level}) before "
-                                          f"starting a new one; {plan.reason}")
+            self._emit(i, Action.WAKE, 0, f"scale {what}up to {plan.target}: wake it (sleep level {i.sleep_level}) "
+                                          f"before starting a new one; {plan.reason}")
             self.scaled_up.add(backend)
             need -= 1
         if need == 0:
@@ -122,37 +144,42 @@ class Reconciler:
         failure = self.s.start_failures.get(backend)
         retry_at = failure.at + timedelta(seconds=self.s.settings.START_RETRY_S) if failure else None
         if retry_at is not None and self.now < retry_at:
-            self.outlook.append(NextStep(f"start {need} {backend.value} instance(s) (last start failed: "
+            self.outlook.append(NextStep(f"start {need} {what}{backend.value} instance(s) (last start failed: "
                                          f"{failure.reason})", retry_at))
             return
         version = self.s.version + 1  # the version the decision is recorded at
         self.scaled_up.add(backend)
-        for index in range(need):
-            instance_id = new_instance_id(self.s.alias, backend, version, index)
+        for _ in range(need):
+            instance_id = new_instance_id(self.s.alias, backend, version, self._started.get(backend, 0), role)
+            self._started[backend] = self._started.get(backend, 0) + 1
             self.actions.append(PlannedAction(
                 action=Action.START, backend=backend, instance_id=instance_id,
                 command_id=command_id(self.decision, Action.START, instance_id),
-                reason=f"scale up to {plan.target}: {plan.reason}",
+                reason=f"scale {what}up to {plan.roles[role] if role and plan.roles else plan.target}: {plan.reason}",
+                role=role,
             ))
 
-    def _release(self, plan: TierPlan, c: TierCensus) -> None:
-        budget = min(plan.release, c.supply - plan.target)
-        starting = sorted((i for i in c.awake if i.state is S.STARTING), key=lambda i: (i.state_since, i.instance_id),
+    def _release(self, plan: TierPlan, awake: Iterable[InstanceView], budget: int) -> int:
+        """Let up to `budget` of `awake` go (starting ones first, then the least loaded, longest idle); how many went."""
+        awake = list(awake)
+        starting = sorted((i for i in awake if i.state is S.STARTING), key=lambda i: (i.state_since, i.instance_id),
                           reverse=True)
-        running = sorted((i for i in c.awake if i.state is S.RUNNING),
+        running = sorted((i for i in awake if i.state is S.RUNNING),
                          key=lambda i: (i.inflight, i.idle_since(), i.instance_id))
+        sent = 0
         for i in starting:
-            if budget == 0:
-                return
+            if sent == budget:
+                return sent
             self._emit(i, Action.DELETE, 0, f"surplus while still starting: cancel the start; {plan.reason}")
             self.released.add(i.backend)
-            budget -= 1
+            sent += 1
         for i in running:
-            if budget == 0:
-                return
+            if sent == budget:
+                return sent
             if self._step_down(i, plan):
                 self.released.add(i.backend)
-                budget -= 1
+                sent += 1
+        return sent
 
     def _walk_asleep(self, plan: TierPlan, c: TierCensus) -> None:
         for i in c.asleep:

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "load": ("services.ops.load", "steady concurrent load on an alias, to watch the pool respond"),
     "sim": ("simulation.cli", "offline decode simulator: generate, run, compare, truncate, fluid-limit"),
     "trace": ("services.ops.trace", "agentic traces in seed 004's format: generate, run (closed-loop replay)"),
+    "lab": ("lab.cli", "policy lab: simulate the pool's policies on a workload (run, compare)"),
     "engine": ("services.engines.cli", "run an inference engine: `engine llama.cpp` or `engine sim`"),
 }
 

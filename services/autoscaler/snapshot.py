@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from shared.contracts.backends import Action, BackendType, EngineKind
+from shared.contracts.backends import Action, BackendType, EngineKind, Role
 from shared.contracts.config import AliasConfig, PolicySettings
 from shared.contracts.control import (
     AliasSnapshot,
@@ -33,6 +33,7 @@ _ENGINE = {e.value: e for e in EngineKind}
 _STATE = {s.value: s for s in InstanceState}
 _ACTION = {a.value: a for a in Action}
 _ROUTING = {r.value: r for r in RoutingState}
+_ROLE = {r.value: r for r in Role}
 _BY_ID = operator.itemgetter("instance_id")
 
 
@@ -99,7 +100,8 @@ def instance_views(rows: Iterable[Mapping[str, Any]], statuses: Mapping[str, Ins
 def parse_pending(control_row: Mapping[str, Any]) -> tuple[PendingCommand, ...]:
     return tuple(
         PendingCommand(command_id=uuid.UUID(command_id), action=_ACTION[c["action"]], backend=_BACKEND[c["backend"]],
-                       instance_id=c["instance_id"], issued_at=_when(c["issued_at"]), level=c.get("level") or 0)
+                       instance_id=c["instance_id"], issued_at=_when(c["issued_at"]), level=c.get("level") or 0,
+                       role=_ROLE.get(c.get("role")))
         for command_id, c in sorted((control_row.get("pending") or {}).items())
     )
 
@@ -226,7 +228,6 @@ def build_snapshot(
     metrics: MetricWindow | None,
     demand: int,
     state: PolicyState,
-    policy: str = "hybrid",
     views: InstanceViews | None = None,
 ) -> AliasSnapshot:
     """`instances`: from `InstanceViews.of`, or `instance_views` where nothing is kept between snapshots."""
@@ -252,5 +253,4 @@ def build_snapshot(
         metrics=metrics,
         demand=demand,
         start_failures=failures,
-        policy=policy,
     )

@@ -1,8 +1,8 @@
 """Which instance serves a request: the routing state picks the backend, the alias's router plugin the instance.
 
-Seed 000 §12.4: fast only in FAST_ONLY / WARMING_VLLM / DEGRADED_FAST, split by
-the mix weight (the share sent to vLLM) in MIXED, vLLM first with llama.cpp as
-the floor in VLLM_PRIMARY. A COLD alias takes whatever instance comes up first,
+Seed 000 §12.4 (`routing/backends.py`): fast only in FAST_ONLY / WARMING_VLLM /
+DEGRADED_FAST, split by the mix weight (the share sent to vLLM) in MIXED, vLLM
+first with llama.cpp as the floor in VLLM_PRIMARY. A COLD alias takes whatever instance comes up first,
 so a request held through a cold start is served as soon as one runs, before the
 controller has recorded the switch. Within the backend the alias's router
 (`routing/plugins/`, chosen in the pool file) picks from what this gateway
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from routing.backends import backend_order
 from routing.registry import build_scheduler
 from routing.scheduler import Endpoint, RoutingRequest, Scheduler, SessionState
 from services.gateway.prompts import BLOCK_BYTES, PrefixIndex, Prompt, TokensPerByte
@@ -29,19 +30,6 @@ from shared.contracts.backends import BackendType
 from shared.contracts.config import RouterConfig
 from shared.projections.live import LiveView
 from shared.projections.readmodels import INSTANCES, ROUTING
-
-FAST, SLOW = BackendType.LLAMA_CPP, BackendType.VLLM
-
-
-def backend_order(state: str, mix_weight: float, draw: float) -> tuple[BackendType, ...]:
-    """The backends a request may go to, in the order to try them; `draw` is uniform in [0, 1)."""
-    if state in ("FAST_ONLY", "WARMING_VLLM", "DEGRADED_FAST"):
-        return (FAST,)
-    if state == "MIXED":
-        return (SLOW, FAST) if draw < mix_weight else (FAST, SLOW)
-    if state == "COLD":
-        return (FAST, SLOW)
-    return (SLOW, FAST)  # VLLM_PRIMARY: llama.cpp is the floor
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,13 @@ class BackendType(str, Enum):
         return "fast" if self is BackendType.LLAMA_CPP else "slow"
 
 
+class Role(str, Enum):
+    """What an instance of a disaggregated alias does (seed 001): prompts (prefill) or generation (decode)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 class EngineKind(str, Enum):
     LLAMA_CPP = "llama.cpp"
     VLLM = "vllm"

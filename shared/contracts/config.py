@@ -13,6 +13,7 @@ A pool file is YAML:
           vllm:      {model_name: ..., model_path: ..., gpu_memory_gb: 12.0, min_replicas: 0, max_replicas: 2,
                       max_model_len: 4096, tensor_parallel_size: 1, engine: simulator}
         router: {plugin: ear, t_hot_tokens: 2048, t_cool_s: 30}   # optional; RouterConfig
+        autoscaling_policy: {name: heteroscale, pd_ratio: 0.5}      # optional; default hybrid
 
 Layers, later wins: the defaults below, the file, the environment (`HYBRID_ALPHA=0.6`),
 explicit arguments. Every error names the field and the file it came from.
@@ -24,7 +25,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
@@ -116,6 +117,123 @@ class RouterConfig(BaseModel):
     """EAR: a KV move that takes longer is abandoned, and the new host recomputes."""
 
 
+class HybridPolicyConfig(BaseModel):
+    """The hybrid fast/slow policy of seed 000; its numbers are the pool's `policy:` section (PolicySettings)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Literal["hybrid"] = "hybrid"
+    debug: bool = False
+
+
+class ReplicaPolicyConfig(BaseModel):
+    """What every replica-count policy (HeteroScale and the baselines of seed 001) shares."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: BackendType | None = None
+    """The tier it scales; default vLLM when the alias has it, else llama.cpp. Other tiers get none."""
+    min_instances: int = Field(default=1, ge=0)
+    max_instances: int = Field(default=100, ge=1)
+    scale_out_cooldown: float = Field(default=180.0, ge=0)
+    """Seconds after a scale-out before the next one."""
+    scale_in_cooldown: float = Field(default=600.0, ge=0)
+    """Seconds after any scaling of the tier before a scale-in."""
+    debug: bool = False
+    """Every decision's reason carries the whole computation, and the lab prints each decision."""
+
+    @model_validator(mode="after")
+    def _instance_bounds(self) -> "ReplicaPolicyConfig":
+        if self.min_instances > self.max_instances:
+            raise ValueError(f"min_instances ({self.min_instances}) exceeds max_instances ({self.max_instances})")
+        return self
+
+
+class HeteroScaleConfig(ReplicaPolicyConfig):
+    """HeteroScale (seed 001): latency panic first, then proportional control on decode TPS with the P/D ratio.
+    Names and defaults are the seed's."""
+
+    name: Literal["heteroscale"] = "heteroscale"
+    target_decode_tps_per_instance: float = Field(default=100.0, gt=0)
+    pd_ratio: float = Field(default=0.33, gt=0)
+    """Prefill instances per decode instance (0.33: 1:3)."""
+    scale_out_threshold: float = Field(default=0.1, ge=0)
+    scale_in_threshold: float = Field(default=0.1, ge=0, lt=1)
+    enable_latency_trigger: bool = True
+    tbt_slo: float = Field(default=0.1, gt=0)
+    latency_panic_threshold: float = Field(default=1.2, gt=0)
+    latency_panic_scale_factor: float = Field(default=1.2, gt=1)
+    disaggregated: bool = True
+    """Instances carry a prefill or a decode role; off: one pool sized by the same rule."""
+    prefill_rounding: Literal["nearest", "ceil"] = "nearest"
+    """How I_new_total / total_parts becomes a prefill count: the seed's worked scenario rounds 6.25 to 6
+    (nearest); its step 2 writes a ceiling, which `ceil` gives."""
+
+
+class UtilizationConfig(ReplicaPolicyConfig):
+    """Seed 001's Utilization baseline, in the form of Kubernetes' HPA: desired = ceil(current x u / target),
+    u the share of the tier's request slots in use (requests on it and waiting for it over its capacity)."""
+
+    name: Literal["utilization"] = "utilization"
+    target_utilization: float = Field(default=0.7, gt=0, le=1)
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    """No change while u / target is within 1 +- tolerance."""
+    scale_out_cooldown: float = Field(default=60.0, ge=0)
+    scale_in_cooldown: float = Field(default=300.0, ge=0)
+
+
+class LatencyConfig(ReplicaPolicyConfig):
+    """Seed 001's Latency baseline: a step controller on the p95 latencies against their SLOs."""
+
+    name: Literal["latency"] = "latency"
+    ttft_slo: float = Field(default=2.0, gt=0)
+    tbt_slo: float = Field(default=0.1, gt=0)
+    scale_in_below: float = Field(default=0.5, gt=0, lt=1)
+    """Scale in when both p95s are below this share of their SLOs."""
+    step: int = Field(default=1, ge=1)
+    """Instances added or removed per decision."""
+    scale_out_cooldown: float = Field(default=60.0, ge=0)
+    scale_in_cooldown: float = Field(default=300.0, ge=0)
+
+
+class PeriodicConfig(ReplicaPolicyConfig):
+    """Seed 001's Periodic baseline: replicas by time of day (of a period), from a fixed schedule."""
+
+    name: Literal["periodic"] = "periodic"
+    period_s: float = Field(default=86_400.0, gt=0)
+    schedule: tuple[tuple[float, int], ...] = ((0.0, 1),)
+    """(seconds into the period, instances from then on), by time; the last entry wraps to the period's start."""
+    scale_out_cooldown: float = Field(default=0.0, ge=0)
+    scale_in_cooldown: float = Field(default=0.0, ge=0)
+
+    @field_validator("schedule")
+    @classmethod
+    def _ordered(cls, schedule: tuple[tuple[float, int], ...]) -> tuple[tuple[float, int], ...]:
+        if not schedule:
+            raise ValueError("needs at least one (seconds, instances) entry")
+        times = [t for t, _ in schedule]
+        if times != sorted(set(times)) or times[0] < 0 or any(n < 0 for _, n in schedule):
+            raise ValueError("entries must be (seconds >= 0, instances >= 0) with strictly increasing seconds")
+        return schedule
+
+    def replicas_at(self, seconds: float) -> int:
+        """The schedule's instances at `seconds` (any time: taken modulo the period)."""
+        offset = seconds % self.period_s
+        current = self.schedule[-1][1]
+        for at, n in self.schedule:
+            if at > offset:
+                break
+            current = n
+        return current
+
+
+AutoscalingPolicy = Annotated[
+    Union[HybridPolicyConfig, HeteroScaleConfig, UtilizationConfig, LatencyConfig, PeriodicConfig],
+    Field(discriminator="name"),
+]
+POLICY_NAMES = ("hybrid", "heteroscale", "utilization", "latency", "periodic")
+
+
 class AliasConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -123,6 +241,13 @@ class AliasConfig(BaseModel):
     routing_state: RoutingState = RoutingState.COLD
     backends: dict[BackendType, BackendConfig]
     router: RouterConfig = RouterConfig()
+    autoscaling_policy: AutoscalingPolicy = HybridPolicyConfig()
+    """The policy that decides this alias's routing state and replicas (`policy/`), with its parameters."""
+
+    @field_validator("autoscaling_policy", mode="before")
+    @classmethod
+    def _policy_by_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value  # `autoscaling_policy: heteroscale`
 
     @field_validator("backends")
     @classmethod
@@ -130,6 +255,13 @@ class AliasConfig(BaseModel):
         if not backends:
             raise ValueError("at least one backend is required")
         return backends
+
+    @model_validator(mode="after")
+    def _scaled_backend(self) -> "AliasConfig":
+        chosen = getattr(self.autoscaling_policy, "backend", None)
+        if chosen is not None and chosen not in self.backends:
+            raise ValueError(f"autoscaling_policy.backend {chosen.value} is not one of the alias's backends")
+        return self
 
     def engine_for(self, backend: BackendType) -> EngineKind:
         configured = self.backends[backend].engine

@@ -18,11 +18,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, make_dataclass
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, Union
 
-from pydantic import TypeAdapter
+from pydantic import Field, TypeAdapter
 
-from shared.contracts.backends import Action, BackendType, EngineKind
+from shared.contracts.backends import Action, BackendType, EngineKind, Role
 from shared.contracts.config import AliasConfig, PolicySettings
 from shared.contracts.states import InstanceState, RoutingState
 
@@ -155,6 +155,8 @@ class InstanceView:
     """Actions its worker answered `unsupported`: the controller takes the substitute instead."""
     last_failure: tuple[Action, datetime] | None = None
     """The most recent command that failed on it, and when."""
+    role: Role | None = None
+    """Prefill or decode, in a disaggregated alias; None otherwise."""
 
     def idle_since(self) -> datetime:
         return self.last_active_at or self.state_since
@@ -170,6 +172,8 @@ class PendingCommand:
     instance_id: str
     issued_at: datetime
     level: int = 0
+    role: Role | None = None
+    """The role a start gives its instance."""
 
 
 # --------------------------------------------------------------------------- policy state
@@ -223,17 +227,28 @@ class HybridState:
     """C_vllm as last reported by a vLLM instance of the alias."""
 
 
+@dataclass(frozen=True, slots=True)
+class ScalerState:
+    """What the replica-count policies (HeteroScale and the baselines of seed 001) remember."""
+
+    kind: Literal["scaler"] = "scaler"
+    demand_at: datetime | None = None
+    """When demand reached the alias while it was cold (the start of a cold start)."""
+    idle_since: datetime | None = None
+    """Since when the alias has had no request at all."""
+
+
 _NO_TIER_STATE = TierState()
 
-PolicyMemory = HybridState
-"""The policy-specific part of the state. A union (on `kind`) once there is more than one policy."""
+PolicyMemory = Annotated[Union[HybridState, ScalerState], Field(discriminator="kind")]
+"""The policy-specific part of the state, told apart by `kind`."""
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyState:
     """Everything a policy carries from one tick to the next: its own memory and the shared rules'."""
 
-    policy: PolicyMemory = field(default_factory=HybridState)
+    policy: PolicyMemory = field(default_factory=HybridState)  # type: ignore[assignment]
     tiers: dict[BackendType, TierState] = field(default_factory=dict)
     last_window_end: datetime | None = None
     """The newest metric window counted; a window counts once however many ticks see it."""
@@ -271,8 +286,11 @@ class AliasSnapshot:
     demand: int = 0
     """Requests the gateways hold for this alias right now, waiting for an instance (the cold-start signal)."""
     start_failures: dict[BackendType, StartFailure] = field(default_factory=dict)
-    policy: str = "hybrid"
-    """The policy that decides for this alias."""
+
+    @property
+    def policy(self) -> str:
+        """The policy that decides for this alias (its config's `autoscaling_policy`)."""
+        return self.config.autoscaling_policy.name
 
     def __post_init__(self) -> None:
         # Indexes every decision reads many times, built once (not fields: never recorded).
@@ -318,6 +336,8 @@ class PlannedAction:
     """Sleep level, for a sleep."""
     substitute_for: Action | None = None
     """The action this one replaces because the backend cannot do it (e.g. a llama.cpp sleep)."""
+    role: Role | None = None
+    """For a start in a disaggregated alias: the role of the new instance."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +374,8 @@ class Decision:
     actions: tuple[PlannedAction, ...] = ()
     outlook: tuple[NextStep, ...] = ()
     cold_start: ColdStart | None = None
+    roles: dict[Role, int] = field(default_factory=dict)
+    """Targets by role of the scaled tier, in a disaggregated alias."""
 
     def effective(self, snapshot: AliasSnapshot) -> bool:
         """Whether it changes anything and so is recorded; counters alone are not worth a log entry."""

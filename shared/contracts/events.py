@@ -31,10 +31,11 @@ from shared.contracts.states import (
 class AliasConfigured(Event):
     """An alias's configuration as loaded at start-up (recorded when it changes).
 
-    v2: a backend's configuration may carry `engine_args`."""
+    v2: a backend's configuration may carry `engine_args`.
+    v3: `autoscaling_policy`, the alias's policy and its parameters (hybrid when absent)."""
 
     TYPE = "AliasConfigured"
-    VERSION = 2
+    VERSION = 3
     CATEGORY = "alias"
     alias: str
     config: AliasConfig
@@ -396,4 +397,5 @@ def event_registry() -> Registry:
     registry.upcaster(InstanceStateChanged.TYPE, 1)(_add_exit_details)
     registry.upcaster(InstanceStateChanged.TYPE, 2)(_add_internal_endpoint)
     registry.upcaster(AliasConfigured.TYPE, 1)(_unchanged)  # v1 payloads are valid v2 payloads
+    registry.upcaster(AliasConfigured.TYPE, 2)(_unchanged)  # and v2 ones valid v3 ones (the hybrid policy)
     return registry

@@ -298,7 +298,7 @@ def _control_alias_event(rows: Rows, event: RawEvent) -> Iterable[str]:
             row["pending"][a["command_id"]] = {
                 "action": a["action"], "backend": a["backend"], "instance_id": a["instance_id"],
                 "worker_id": a["worker_id"], "level": a["level"], "issued_at": event.occurred_at.isoformat(),
-                "acked": False,
+                "acked": False, "role": a.get("role"),
             }
     return (p["alias"],)
 

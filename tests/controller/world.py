@@ -113,7 +113,7 @@ class World:
             self.targets = dict(decision.targets)
         for action in decision.actions:
             self.pending[action.instance_id] = PendingCommand(action.command_id, action.action, action.backend,
-                                                             action.instance_id, self.now, action.level)
+                                                             action.instance_id, self.now, action.level, action.role)
             self.commands_sent.append((action.action, action.instance_id))
         return decision
 
@@ -151,7 +151,7 @@ class World:
         if cmd.action is Action.START:
             engine = EngineKind.SIMULATOR
             self.instances[cmd.instance_id] = InstanceView(cmd.instance_id, cmd.backend, engine, "w1", S.STARTING, self.now,
-                                                           capacity=None)
+                                                           capacity=None, role=cmd.role)
             self.ready_at[cmd.instance_id] = self.now + timedelta(seconds=self.delays.start[cmd.backend])
         elif cmd.action is Action.WAKE:
             self._set(inst, S.RUNNING, sleep_level=0)

@@ -1,0 +1,612 @@
+"""The simulated cluster: one alias's instances, workers, gateway and controller, in virtual time.
+
+Everything that decides is the pool's own code, imported, never copied:
+- the controller: `policy.decide` every `tick_s`, on a snapshot built the way
+  the autoscaler builds it (instances, commands in flight, the newest metric
+  window, held demand, start failures), its commands applied with the tiers'
+  delays (a start takes `startup_s`, a wake `wake_l1_s`/`wake_l2_s`, a drain
+  waits for the instance's requests);
+- placement: `services.placement.scoring.place` over the simulated workers;
+- the gateway: `routing.backends.backend_order` picks the backend by routing
+  state and mix weight, the alias's router plugin (`routing.registry`) picks
+  the instance; a request that finds no room waits in a bounded FIFO queue
+  (`queue_size`, `queue_timeout_s`) as the gateway's admission does.
+
+What is modelled rather than run: each instance is `lab.instance.LabInstance`
+(seed 002's batch timing at event level), and in a disaggregated alias a
+request is prefilled on a prefill instance and decoded on a decode instance,
+its KV handed over at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+from lab.config import LabSettings
+from lab.instance import Job, LabInstance, TierModel
+from policy import decide
+from routing.backends import backend_order
+from routing.registry import build_scheduler
+from routing.scheduler import Endpoint, RoutingRequest, SessionState
+from services.placement.scoring import Placed, Request, WorkerView, place
+from shared.contracts.backends import Action, BackendType, EngineKind, Role
+from shared.contracts.config import AliasConfig, PolicySettings
+from shared.contracts.control import (
+    Decision,
+    InstanceView,
+    MetricWindow,
+    PendingCommand,
+    PlannedAction,
+    PolicyState,
+    StartFailure,
+    new_instance_view,
+    new_snapshot,
+)
+from shared.contracts.states import InstanceState, RoutingState
+from shared.contracts.trace import TraceRequest
+
+S, R = InstanceState, RoutingState
+FAST, SLOW = BackendType.LLAMA_CPP, BackendType.VLLM
+EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)
+"""Virtual time 0: a midnight, so a periodic schedule's time of day is the trace's."""
+SERVING = (S.RUNNING,)
+# Event kinds, in the order simultaneous events are handled.
+READY, COMPLETE, TURN, WINDOW, TICK = range(5)
+
+
+@dataclass(slots=True, eq=False)
+class LabRequest:
+    index: int
+    session: str
+    turn: int
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    queued_at: float = 0.0
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    backend: BackendType | None = None
+    decoding: bool = False
+    """Past its prefill on a prefill instance, waiting for or on a decode instance."""
+
+
+@dataclass(slots=True)
+class Served:
+    """One request's outcome."""
+
+    arrival: float
+    ttft: float | None
+    e2e: float | None
+    tbt: float | None
+    backend: str | None
+    queue_wait: float
+    lost: str | None = None
+
+
+@dataclass(slots=True)
+class Sample:
+    """The cluster at one tick, for the plots and the objective."""
+
+    t: float
+    routing: str
+    awake: dict[str, int]
+    asleep: dict[str, int]
+    arrivals_per_s: float
+    memory_gb: float
+    actions: int
+    objective: float
+
+
+@dataclass(slots=True)
+class LogLine:
+    """One line of seed 001's scaling log: time,action,target,status,reason."""
+
+    t: float
+    action: str
+    target: str
+    status: str
+    reason: str
+
+    def csv(self) -> str:
+        reason = self.reason.replace("\n", " ")
+        return f"{self.t:.1f},{self.action},{self.target},{self.status},{reason}"
+
+
+@dataclass
+class Window:
+    """Accumulators of the current metric window."""
+
+    start: float
+    arrivals: int = 0
+    answered: int = 0
+    answered_fast: int = 0
+    answered_slow: int = 0
+    errors: int = 0
+    ttft: list[float] = field(default_factory=list)
+    e2e_fast: list[float] = field(default_factory=list)
+    e2e_slow: list[float] = field(default_factory=list)
+    tbt: list[float] = field(default_factory=list)
+    queue_wait: list[float] = field(default_factory=list)
+    inflight_fast_s: float = 0.0
+    inflight_slow_s: float = 0.0
+    queue_s: float = 0.0
+    decoded: float = 0.0
+    prefilled: int = 0
+    peak: int = 0
+
+
+def p95(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+class Cluster:
+    def __init__(self, alias: AliasConfig, settings: PolicySettings, tiers: dict[BackendType, TierModel],
+                 lab: LabSettings, trace: list[TraceRequest], *, progress: Callable[[float], None] | None = None,
+                 on_decision: Callable[[float, Decision], None] | None = None) -> None:
+        self.alias = alias
+        self.settings = settings
+        self.tiers = tiers
+        self.lab = lab
+        self.rng = random.Random(lab.seed)
+        self.scheduler = build_scheduler(alias.router, random.Random(lab.seed + 1))
+        self.progress = progress
+        self.on_decision = on_decision
+        # Controller state, as the log would hold it.
+        self.routing = alias.routing_state
+        self.routing_since: float | None = None
+        self.mix_weight = 0.0
+        self.targets: dict[BackendType, int] = {}
+        self.state = PolicyState()
+        self.version = 0
+        self.pending: dict[str, PendingCommand] = {}
+        self.start_failures: dict[BackendType, StartFailure] = {}
+        self.last_window: MetricWindow | None = None
+        # The cluster.
+        self.instances: dict[str, LabInstance] = {}
+        self.workers = {f"w{k:02}": [] for k in range(lab.workers)}  # worker -> instance ids
+        self.queue: deque[LabRequest] = deque()
+        self.sessions: dict[str, SessionState] = {}
+        self.events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        # The trace: first turns open loop, later turns after their previous answer and tool time.
+        self.first_turns: list[TraceRequest] = []
+        self.later: dict[str, deque[TraceRequest]] = {}
+        for r in trace:
+            if r.turn == 0:
+                self.first_turns.append(r)
+            else:
+                self.later.setdefault(r.session_id, deque()).append(r)
+        self.first_turns.sort(key=lambda r: r.delay_s)
+        self.context: dict[str, int] = {}
+        """Each session's context so far (its prompts and answers)."""
+        self.total_requests = len(trace)
+        # Measurements.
+        self.served: list[Served] = []
+        self.samples: list[Sample] = []
+        self.log: list[LogLine] = []
+        self.commands = 0
+        self.session_moves = 0
+        self.memory_gb = 0.0
+        self.memory_gb_s = 0.0
+        self._level_at = 0.0
+        self._inflight = {FAST: 0, SLOW: 0}
+        self.window = Window(0.0)
+        self._actions_in_tick = 0
+        self._index = 0
+        self._turns_due = 0
+        self._serving: dict[tuple[BackendType, Role | None], list[LabInstance]] | None = None
+        """Running instances by backend and role, rebuilt after any instance changes state."""
+        self._window_e2e = self._window_rate = self._window_arrivals = 0.0
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        end_of_trace = self.first_turns[-1].delay_s if self.first_turns else 0.0
+        self._push(self.lab.window_s, WINDOW, None)
+        self._push(0.0, TICK, None)
+        arrivals = self.first_turns
+        i, n = 0, len(arrivals)
+        next_progress = 0.0
+        while True:
+            t_arrival = arrivals[i].delay_s if i < n else math.inf
+            t_event = self.events[0][0] if self.events else math.inf
+            now = min(t_arrival, t_event)
+            if now == math.inf:
+                break
+            if self.progress and now >= next_progress:
+                self.progress(now)
+                next_progress = now + 60.0
+            if t_arrival <= t_event:
+                self._arrive(arrivals[i], arrivals[i].delay_s)
+                i += 1
+                continue
+            t, _, kind, payload = heapq.heappop(self.events)
+            if kind == COMPLETE:
+                self._complete(payload, t)  # type: ignore[arg-type]
+            elif kind == READY:
+                self._ready(payload, t)  # type: ignore[arg-type]
+            elif kind == TURN:
+                self._turns_due -= 1
+                self._arrive(payload, t)  # type: ignore[arg-type]
+            elif kind == WINDOW:
+                self._close_window(t)
+                if self._active(i, n, t, end_of_trace):
+                    self._push(t + self.lab.window_s, WINDOW, None)
+            elif kind == TICK:
+                self._tick(t)
+                if self._active(i, n, t, end_of_trace):
+                    self._push(t + self.lab.tick_s, TICK, None)
+        self._level(max(self._level_at, end_of_trace))
+        for r in self.queue:
+            self._lose(r, "unanswered at the end of the run", self._level_at)
+        self.queue.clear()
+
+    def _active(self, i: int, n: int, t: float, end_of_trace: float) -> bool:
+        """Ticks and windows go on while requests are due or in flight, then `drain_s` longer for scale-down."""
+        busy = i < n or self.queue or self._turns_due or any(inst.jobs for inst in self.instances.values())
+        return bool(busy) or t < end_of_trace + self.lab.drain_s
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        if kind == TURN:
+            self._turns_due += 1
+        heapq.heappush(self.events, (t, self._seq, kind, payload))
+
+    # ------------------------------------------------------------------ levels (time integrals)
+
+    def _level(self, now: float) -> None:
+        dt = now - self._level_at
+        if dt <= 0:
+            return
+        w = self.window
+        w.inflight_fast_s += self._inflight[FAST] * dt
+        w.inflight_slow_s += self._inflight[SLOW] * dt
+        w.queue_s += len(self.queue) * dt
+        self.memory_gb_s += self.memory_gb * dt
+        self._level_at = now
+
+    def _memory_changed(self, now: float, delta: float) -> None:
+        self._level(now)
+        self.memory_gb = max(0.0, self.memory_gb + delta)
+
+    # ------------------------------------------------------------------ requests
+
+    def _arrive(self, r: TraceRequest, now: float) -> None:
+        self._level(now)
+        prompt = self.context.get(r.session_id, 0) + r.new_input_tokens
+        self.context[r.session_id] = prompt + r.output_tokens
+        req = LabRequest(self._index, r.session_id, r.turn, now, prompt, r.output_tokens, queued_at=now)
+        self._index += 1
+        self.window.arrivals += 1
+        if self.queue or not self._route(req, now):
+            if len(self.queue) >= self.lab.queue_size:
+                self._lose(req, "queue full (429)", now)
+                return
+            self.queue.append(req)
+
+    def _serving_by(self) -> dict[tuple[BackendType, Role | None], list[LabInstance]]:
+        if self._serving is None:
+            self._serving = {}
+            for inst in self.instances.values():
+                if inst.state is S.RUNNING:
+                    self._serving.setdefault((inst.backend, inst.role), []).append(inst)
+                    if inst.role is not None:
+                        self._serving.setdefault((inst.backend, Role.DECODE), [])
+                        self._serving.setdefault((inst.backend, Role.PREFILL), [])
+        return self._serving
+
+    def _route(self, req: LabRequest, now: float) -> bool:
+        """Place `req` on an instance if one may take it now."""
+        order = backend_order(self.routing.value, self.mix_weight, self.rng.random())
+        serving = self._serving_by()
+        for backend in order:
+            role = (Role.DECODE if req.decoding else Role.PREFILL) if (backend, Role.PREFILL) in serving else None
+            candidates = serving.get((backend, role))
+            if not candidates:
+                continue
+            reads_cache = self.scheduler.reads_cache
+            endpoints = [Endpoint(i.instance_id, i.inflight, i.full, i.pending_prefill(now),
+                                  i.cached_for(req.session, req.prompt_tokens) if reads_cache else 0)
+                         for i in candidates]
+            session = self.sessions.get(req.session) or SessionState(req.session)
+            choice = self.scheduler.choose(RoutingRequest(session, req.prompt_tokens, now), endpoints)
+            if choice is None:
+                continue
+            if self.scheduler.binds_sessions:
+                moved = choice.moved_from is not None
+                self.session_moves += moved
+                self.sessions[req.session] = SessionState(
+                    req.session, choice.instance_id, now if moved else session.moved_at, req.prompt_tokens)
+            self._admit(req, self.instances[choice.instance_id], now, role)
+            return True
+        return False
+
+    def _admit(self, req: LabRequest, inst: LabInstance, now: float, role: Role | None) -> None:
+        if req.admitted_at is None:
+            req.admitted_at = now
+            self.window.queue_wait.append(now - req.queued_at)
+        req.backend = inst.backend
+        output = 1 if role is Role.PREFILL else (req.output_tokens - 1 if role is Role.DECODE else req.output_tokens)
+        job, generated = inst.admit(req, req.session, req.prompt_tokens, max(1, output), now,
+                                    prefilled=role is Role.DECODE)
+        self.window.decoded += generated
+        self.window.prefilled += job.prompt_tokens - job.cached_tokens
+        self._inflight[inst.backend] += 1
+        self.window.peak = max(self.window.peak, sum(self._inflight.values()))
+        self._schedule_completion(inst)
+
+    def _schedule_completion(self, inst: LabInstance) -> None:
+        at = inst.next_completion()
+        if at is not None:
+            self._push(at, COMPLETE, (inst, inst.version))
+
+    def _complete(self, payload: tuple[LabInstance, int], now: float) -> None:
+        inst, version = payload
+        if inst.version != version or inst.instance_id not in self.instances:
+            return  # stale: the instance's schedule moved since
+        self._level(now)
+        done, generated = inst.complete_due(now)
+        self.window.decoded += generated
+        for job in done:
+            req: LabRequest = job.request  # type: ignore[assignment]
+            if inst.role is not Role.DECODE:
+                req.first_token_at = job.first_token_at  # final now: later arrivals may have joined its batch
+            self._inflight[inst.backend] -= 1
+            inst.served += 1
+            if inst.role is Role.PREFILL:  # prefilled: on to a decode instance, KV handed over
+                req.decoding = True
+                req.queued_at = now
+                if self.queue or not self._route(req, now):
+                    self.queue.appendleft(req)  # it was admitted once: it does not queue behind new arrivals
+                continue
+            inst.remember(req.session, req.prompt_tokens + req.output_tokens)
+            self._answer(req, now, inst.backend)
+        self._schedule_completion(inst)
+        if done:
+            self._pump(now)
+            self._drained(inst, now)
+
+    def _answer(self, req: LabRequest, now: float, backend: BackendType) -> None:
+        first = req.first_token_at if req.first_token_at is not None else now
+        ttft = first - req.arrival
+        e2e = now - req.arrival
+        tbt = (now - first) / (req.output_tokens - 1) if req.output_tokens > 1 else None
+        wait = (req.admitted_at or now) - req.arrival
+        self.served.append(Served(req.arrival, ttft, e2e, tbt, backend.value, wait))
+        w = self.window
+        w.answered += 1
+        w.ttft.append(ttft)
+        (w.e2e_fast if backend is FAST else w.e2e_slow).append(e2e)
+        if backend is FAST:
+            w.answered_fast += 1
+        else:
+            w.answered_slow += 1
+        if tbt is not None:
+            w.tbt.append(tbt)
+        following = self.later.get(req.session)
+        if following:
+            turn = following.popleft()
+            self._push(now + turn.delay_s, TURN, turn)
+
+    def _lose(self, req: LabRequest, reason: str, now: float) -> None:
+        self.served.append(Served(req.arrival, None, None, None, None, now - req.arrival, reason))
+        self.window.errors += 1
+        self.later.pop(req.session, None)  # the agent gives up on its session
+
+    def _pump(self, now: float) -> None:
+        """Slots freed or instances came up: the head of the queue first, in order."""
+        timeout = self.lab.queue_timeout_s
+        while self.queue:
+            head = self.queue[0]
+            if now - head.queued_at > timeout:
+                self.queue.popleft()
+                self._level(now)
+                self._lose(head, "queue timeout (408)", now)
+                continue
+            self._level(now)
+            if not self._route(head, now):
+                return
+            self.queue.popleft()
+
+    # ------------------------------------------------------------------ instances
+
+    def _ready(self, payload: tuple[str, int], now: float) -> None:
+        instance_id, version = payload
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.ready_at is None or inst.version != version:
+            return
+        inst.ready_at = None
+        inst.state, inst.since, inst.sleep_level = S.RUNNING, now, 0
+        self._serving = None
+        inst.t_ref = inst.busy_until = now
+        self.pending.pop(instance_id, None)  # a wake is done
+        self._pump(now)
+
+    def _drained(self, inst: LabInstance, now: float) -> None:
+        command = self.pending.get(inst.instance_id)
+        if command is not None and command.action is Action.DRAIN and not inst.jobs:
+            del self.pending[inst.instance_id]  # the drain is done: the controller deletes it next
+
+    def _apply(self, a: PlannedAction, now: float) -> None:
+        self.commands += 1
+        self._actions_in_tick += 1
+        when = _at(now)
+        if a.action is Action.START:
+            self._start(a, now)
+            return
+        inst = self.instances.get(a.instance_id)
+        if inst is None:
+            return
+        model = inst.model
+        if a.action is Action.WAKE:
+            delay = model.wake_l2_s if inst.sleep_level == 2 else model.wake_l1_s
+            self._memory_changed(now, model.memory_gb - model.sleep_memory_gb)
+            inst.ready_at = now + delay
+            inst.version += 1
+            self.pending[inst.instance_id] = PendingCommand(a.command_id, a.action, a.backend, a.instance_id, when)
+            self._push(now + delay, READY, (inst.instance_id, inst.version))
+        elif a.action is Action.SLEEP:
+            if inst.state is S.RUNNING:
+                self._memory_changed(now, model.sleep_memory_gb - model.memory_gb)
+            inst.state, inst.since, inst.sleep_level = (S.SLEEP_1 if a.level == 1 else S.SLEEP_2), now, a.level
+            self._serving = None
+        elif a.action is Action.DRAIN:
+            inst.state, inst.since = S.DRAINING, now
+            self._serving = None
+            if inst.jobs:
+                self.pending[inst.instance_id] = PendingCommand(a.command_id, a.action, a.backend, a.instance_id, when)
+        elif a.action is Action.DELETE:
+            self._memory_changed(now, -inst.memory_gb())
+            for _, _, job in inst.jobs:  # a cancelled start or a forced delete: its requests go back to the queue
+                self._inflight[inst.backend] -= 1
+                self.queue.appendleft(job.request)  # type: ignore[arg-type]
+            inst.jobs.clear()
+            inst.version += 1
+            del self.instances[inst.instance_id]
+            self._serving = None
+            self.workers[inst.worker_id].remove(inst.instance_id)
+            self.pending.pop(inst.instance_id, None)
+
+    def _start(self, a: PlannedAction, now: float) -> None:
+        model = self.tiers[a.backend]
+        views = [WorkerView(w, self.lab.worker_gpu_memory_gb, self.lab.worker_slots, frozenset(EngineKind),
+                            instances=tuple(Placed(i, self.alias.alias, self.instances[i].backend,
+                                                   self.instances[i].model.memory_gb) for i in ids))
+                 for w, ids in self.workers.items()]
+        placed = place(Request(self.alias.alias, a.backend, EngineKind.SIMULATOR, model.memory_gb), views)
+        if placed.worker_id is None:
+            self.start_failures[a.backend] = StartFailure(a.instance_id, _at(now), placed.reason)
+            return
+        inst = LabInstance(a.instance_id, a.backend, placed.worker_id, model, S.STARTING, now, role=a.role,
+                           ready_at=now + model.startup_s, t_ref=now, busy_until=now)
+        self.instances[a.instance_id] = inst
+        self.workers[placed.worker_id].append(a.instance_id)
+        self._memory_changed(now, model.memory_gb)
+        self._push(now + model.startup_s, READY, (inst.instance_id, inst.version))
+
+    # ------------------------------------------------------------------ the controller
+
+    def _view(self, inst: LabInstance) -> InstanceView:
+        running = inst.state is S.RUNNING
+        return new_instance_view(
+            inst.instance_id, inst.backend, EngineKind.SIMULATOR, inst.worker_id, inst.state, _at(inst.since),
+            inst.sleep_level, inst.model.capacity if running or inst.sleep_level else None, inst.inflight,
+            _at(inst.last_active) if inst.last_active is not None else None, True, frozenset(), None, inst.role)
+
+    def _tick(self, now: float) -> None:
+        self._level(now)
+        held = len(self.queue) if not self._routable() else 0
+        snapshot = new_snapshot(
+            alias=self.alias.alias, version=self.version, config=self.alias, settings=self.settings,
+            routing_state=self.routing, routing_since=_at(self.routing_since) if self.routing_since is not None else None,
+            mix_weight=self.mix_weight, targets=dict(self.targets), state=self.state,
+            instances=tuple(self._view(i) for _, i in sorted(self.instances.items())),
+            pending=tuple(self.pending.values()), metrics=self.last_window, demand=held,
+            start_failures=dict(self.start_failures),
+        )
+        decision = decide(snapshot, _at(now))
+        self._actions_in_tick = 0
+        self.state = decision.state
+        if decision.routing:
+            self.log.append(LogLine(now, "routing_switch", decision.routing.to_state.value,
+                                    f"{decision.routing.from_state.value}->{decision.routing.to_state.value}",
+                                    decision.routing.reason))
+            self.routing, self.routing_since = decision.routing.to_state, now
+        self.mix_weight = decision.mix_weight
+        self._log_scaling(now, decision, snapshot.instances)
+        if decision.effective(snapshot):
+            self.version += 1 + bool(decision.routing) + bool(decision.mix)
+            self.targets = dict(decision.targets)
+            if self.on_decision:
+                self.on_decision(now, decision)
+        for action in decision.actions:
+            self._apply(action, now)
+        if decision.actions or decision.routing or decision.mix:
+            self._pump(now)
+        self._sample(now)
+
+    def _log_scaling(self, now: float, d: Decision, before: tuple[InstanceView, ...]) -> None:
+        """A scaling log line for a decision that starts or wakes instances (scale_out) or lets awake ones go
+        (scale_in), with the awake counts before and after."""
+        awake = {i.instance_id: i for i in before if i.state in (S.RUNNING, S.STARTING)}
+        added = [a for a in d.actions if a.action in (Action.START, Action.WAKE)]
+        removed = [a for a in d.actions if a.action in (Action.SLEEP, Action.DRAIN, Action.DELETE)
+                   and a.instance_id in awake]
+        if not added and not removed:
+            return
+
+        def count(key) -> tuple[int, int]:
+            had = sum(1 for i in awake.values() if key(i.backend, i.role))
+            gained = sum(1 for a in added if key(a.backend, a.role or self._role_of(a.instance_id)))
+            lost = sum(1 for a in removed if key(a.backend, awake[a.instance_id].role))
+            return had, had + gained - lost
+
+        if d.roles:
+            parts = [(name, count(lambda b, r, role=role: r is role)) for name, role in
+                     (("prompt", Role.PREFILL), ("token", Role.DECODE))]
+        else:
+            parts = [(b.value, count(lambda bb, r, b=b: bb is b)) for b in sorted(self.alias.backends)]
+        status = "_".join(f"{name}:{a}->{b}" for name, (a, b) in parts)
+        self.log.append(LogLine(now, "autoscaling_decision", "scale_out" if added else "scale_in", status,
+                                d.targets_reason))
+
+    def _role_of(self, instance_id: str) -> Role | None:
+        inst = self.instances.get(instance_id)
+        return inst.role if inst else None
+
+    def _routable(self) -> bool:
+        return any(i.state is S.RUNNING for i in self.instances.values())
+
+    def _close_window(self, now: float) -> None:
+        self._level(now)
+        w = self.window
+        for inst in self.instances.values():
+            if inst.jobs:
+                w.decoded += inst.advance(now)  # tokens generated up to the window's end count in it
+        seconds = max(1e-9, now - w.start)
+        self.last_window = MetricWindow(
+            window_start=_at(w.start), window_end=_at(now), requests=w.answered,
+            inflight_fast=w.inflight_fast_s / seconds, inflight_slow=w.inflight_slow_s / seconds,
+            queue_len=w.queue_s / seconds, queue_wait_p95_s=p95(w.queue_wait), ttft_p95_s=p95(w.ttft),
+            e2e_p95_fast_s=p95(w.e2e_fast), e2e_p95_s=p95(w.e2e_fast + w.e2e_slow),
+            decode_tokens_per_s=w.decoded / seconds if w.decoded else None,
+            prefill_tokens_per_s=w.prefilled / seconds if w.prefilled else None,
+            tbt_p95_s=p95(w.tbt), gateways=1, arrivals=w.arrivals, requests_fast=w.answered_fast,
+            requests_slow=w.answered_slow, errors=w.errors, inflight_peak=float(w.peak),
+            held=len(self.queue) if not self._routable() else 0, e2e_p95_slow_s=p95(w.e2e_slow),
+        )
+        self._window_e2e = (sum(w.e2e_fast) + sum(w.e2e_slow)) / max(1, w.answered)
+        self._window_rate = w.answered / seconds
+        self._window_arrivals = w.arrivals / seconds
+        self.window = Window(now, peak=sum(self._inflight.values()))
+
+    def _sample(self, now: float) -> None:
+        awake: dict[str, int] = {}
+        asleep: dict[str, int] = {}
+        for inst in self.instances.values():
+            key = inst.backend.value + (f":{inst.role.value}" if inst.role else "")
+            if inst.state in (S.RUNNING, S.STARTING):
+                awake[key] = awake.get(key, 0) + 1
+            elif inst.state in (S.SLEEP_1, S.SLEEP_2):
+                asleep[key] = asleep.get(key, 0) + 1
+        o = self.lab.objective
+        j = o.beta * self._window_e2e + o.gamma * self.memory_gb - o.alpha * self._window_rate \
+            + o.eta * self._actions_in_tick
+        self.samples.append(Sample(now, self.routing.value, awake, asleep, self._window_arrivals, self.memory_gb,
+                                   self._actions_in_tick, j))
+
+
+def _at(t: float) -> datetime:
+    return EPOCH + timedelta(seconds=t)
+
+
+__all__ = ["Cluster", "EPOCH", "Job", "LogLine", "Sample", "Served"]

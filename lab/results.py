@@ -1,0 +1,93 @@
+"""One lab run: set up, run, summarise (the numbers `modelpool lab` prints, writes and plots)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lab.cluster import Cluster, LogLine, Sample, Served
+from lab.config import LabSettings, tier_models
+from shared.contracts.config import AliasConfig, PolicySettings
+from shared.contracts.control import Decision
+from shared.contracts.trace import TraceRequest
+
+
+@dataclass
+class RunResult:
+    policy: str
+    alias: AliasConfig
+    served: list[Served]
+    samples: list[Sample]
+    log: list[LogLine]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def run(alias: AliasConfig, settings: PolicySettings, lab: LabSettings, trace: list[TraceRequest], *,
+        progress: Callable[[float], None] | None = None,
+        on_decision: Callable[[float, Decision], None] | None = None) -> RunResult:
+    tiers = tier_models(alias)
+    cluster = Cluster(alias, settings, tiers, lab, trace, progress=progress, on_decision=on_decision)
+    started = time.perf_counter()
+    cluster.run()
+    wall = time.perf_counter() - started
+    result = RunResult(alias.autoscaling_policy.name, alias, cluster.served, cluster.samples, cluster.log)
+    result.summary = summarise(cluster, lab, wall)
+    return result
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "p99": None}
+    a = np.asarray(values)
+    return {f"p{q}": round(float(np.percentile(a, q)), 4) for q in (50, 95, 99)}
+
+
+def summarise(cluster: Cluster, lab: LabSettings, wall_s: float) -> dict[str, Any]:
+    served = cluster.served
+    answered = [s for s in served if s.lost is None]
+    ttft = [s.ttft for s in answered if s.ttft is not None]
+    e2e = [s.e2e for s in answered if s.e2e is not None]
+    met = sum(1 for s in answered if s.ttft is not None and s.ttft <= lab.ttft_slo_s
+              and (s.tbt is None or s.tbt <= lab.tbt_slo_s))
+    horizon = cluster.samples[-1].t if cluster.samples else 0.0
+    first = min((s.arrival for s in served), default=0.0)
+    last_done = max((s.arrival + s.e2e for s in answered if s.e2e is not None), default=first)
+    scale_actions = sum(1 for line in cluster.log if line.action == "autoscaling_decision")
+    switches = sum(1 for line in cluster.log if line.action == "routing_switch")
+    objective = float(np.mean([s.objective for s in cluster.samples])) if cluster.samples else 0.0
+    by_backend: dict[str, int] = {}
+    for s in answered:
+        by_backend[s.backend or "-"] = by_backend.get(s.backend or "-", 0) + 1
+    return {
+        "policy": cluster.alias.autoscaling_policy.name,
+        "engines": {b.value: m.engine for b, m in cluster.tiers.items()},
+        "requests": len(served),
+        "answered": len(answered),
+        "lost": len(served) - len(answered),
+        "lost_reasons": _count(s.lost for s in served if s.lost),
+        "served_by": by_backend,
+        "ttft_s": _percentiles(ttft),
+        "e2e_s": _percentiles(e2e),
+        "slo_attainment": round(met / len(served), 4) if served else None,
+        "throughput_rps": round(len(answered) / max(1e-9, last_done - first), 4),
+        "scale_actions": scale_actions,
+        "routing_switches": switches,
+        "session_moves": cluster.session_moves,
+        "commands": cluster.commands,
+        "gpu_mem_s": round(cluster.memory_gb_s, 1),
+        "gpu_mem_gb_mean": round(cluster.memory_gb_s / max(1e-9, horizon), 3),
+        "objective": round(objective, 4),
+        "virtual_s": round(horizon, 1),
+        "wall_s": round(wall_s, 2),
+    }
+
+
+def _count(reasons: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in reasons:
+        out[r] = out.get(r, 0) + 1
+    return out

@@ -1,0 +1,147 @@
+"""The lab's workloads, seeded: cold wave, sustained, diurnal, bursty, agentic, or a trace file.
+
+Every workload is a list of requests in the agentic trace format of
+`shared/contracts/trace.py` (a request of an open-loop workload is its own
+session's turn 0, `delay_s` its arrival), so a file written by `modelpool
+trace generate` and a generated workload run the same way. Parameters are
+set like the policies', `--set workload.peak_rate=12`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.contracts.config import ConfigError
+from shared.contracts.trace import TraceRequest, read_trace
+from simulation.agentic import AgenticShape, BurstyShape, generate_agentic, generate_bursty
+
+
+@dataclass(frozen=True)
+class Lengths:
+    input_tokens: float = 512.0
+    """Median prompt length (lognormal)."""
+    output_tokens: float = 256.0
+    """Median answer length (lognormal)."""
+    input_sigma: float = 0.6
+    output_sigma: float = 0.5
+
+
+@dataclass(frozen=True)
+class ColdWave(Lengths):
+    """Idle, then a wave, then idle again, `waves` times: the first wave after an idle meets a cold pool."""
+
+    idle_s: float = 600.0
+    wave_s: float = 30.0
+    wave_requests: int = 120
+    waves: int = 2
+
+
+@dataclass(frozen=True)
+class Sustained(Lengths):
+    """A steady Poisson rate for `duration_s`."""
+
+    rate: float = 4.0
+    duration_s: float = 1800.0
+
+
+@dataclass(frozen=True)
+class Diurnal(Lengths):
+    """A day's Poisson traffic: trough at `trough_at_s` (4 am), peak 12 h later, cosine in between.
+    `compress` shrinks the day (24 h in 24 h / compress), every rate times `compress`."""
+
+    peak_rate: float = 8.0
+    trough_rate: float = 0.4
+    duration_s: float = 86_400.0
+    trough_at_s: float = 4 * 3600.0
+    compress: float = 1.0
+
+
+@dataclass(frozen=True)
+class Bursty(BurstyShape):
+    pass
+
+
+@dataclass(frozen=True)
+class Agentic(AgenticShape):
+    pass
+
+
+SHAPES: dict[str, type] = {"cold-wave": ColdWave, "sustained": Sustained, "diurnal": Diurnal, "bursty": Bursty,
+                           "agentic": Agentic}
+
+
+def shape_named(name: str, overrides: dict[str, Any] | None = None) -> Any:
+    """The named workload's parameters with `overrides` (strings are converted to the field's type)."""
+    if name not in SHAPES:
+        raise ConfigError("workload", f"unknown workload {name!r}; known: {', '.join(SHAPES)} (or a trace file)")
+    cls = SHAPES[name]
+    shape = cls()
+    known = {f.name: f for f in fields(cls)}
+    changes: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        if key not in known:
+            raise ConfigError(f"workload.{key}", f"not a parameter of {name}; known: {', '.join(known)}")
+        default = getattr(shape, key)
+        try:
+            changes[key] = type(default)(value) if not isinstance(default, bool) else str(value).lower() in ("1", "true", "yes")
+        except ValueError:
+            raise ConfigError(f"workload.{key}", f"{value!r} is not a {type(default).__name__}") from None
+    return replace(shape, **changes)
+
+
+def generate(name: str, seed: int, overrides: dict[str, Any] | None = None) -> list[TraceRequest]:
+    shape = shape_named(name, overrides)
+    rng = np.random.default_rng(seed)
+    if isinstance(shape, Bursty):
+        return generate_bursty(shape, seed)
+    if isinstance(shape, Agentic):
+        return generate_agentic(shape, seed)
+    if isinstance(shape, ColdWave):
+        starts = [shape.idle_s + k * (shape.idle_s + shape.wave_s) for k in range(shape.waves)]
+        arrivals = np.sort(np.concatenate([s + rng.uniform(0.0, shape.wave_s, shape.wave_requests) for s in starts]))
+    elif isinstance(shape, Sustained):
+        arrivals = _poisson(rng, lambda t: np.full_like(t, shape.rate), shape.duration_s, shape.rate)
+    else:
+        arrivals = _poisson(rng, lambda t: diurnal_rate(shape, t), shape.duration_s / shape.compress,
+                            shape.peak_rate * shape.compress)
+    return _requests(arrivals, rng, shape)
+
+
+def diurnal_rate(shape: Diurnal, t: np.ndarray) -> np.ndarray:
+    """Requests per second at `t` (seconds of the compressed day)."""
+    day = 86_400.0 / shape.compress
+    phase = 2 * math.pi * (t - shape.trough_at_s / shape.compress) / day
+    return (shape.trough_rate + (shape.peak_rate - shape.trough_rate) * (1 - np.cos(phase)) / 2) * shape.compress
+
+
+def _poisson(rng: np.random.Generator, rate: Any, duration_s: float, peak: float) -> np.ndarray:
+    """A non-homogeneous Poisson process by thinning, vectorised."""
+    n = rng.poisson(peak * duration_s)
+    t = np.sort(rng.uniform(0.0, duration_s, n))
+    keep = rng.uniform(0.0, peak, n) < rate(t)
+    return t[keep]
+
+
+def _requests(arrivals: np.ndarray, rng: np.random.Generator, lengths: Lengths) -> list[TraceRequest]:
+    n = len(arrivals)
+    inputs = np.maximum(1, np.rint(rng.lognormal(np.log(lengths.input_tokens), lengths.input_sigma, n))).astype(int)
+    outputs = np.maximum(1, np.rint(rng.lognormal(np.log(lengths.output_tokens), lengths.output_sigma, n))).astype(int)
+    build = TraceRequest.model_construct  # checked by construction: skip validation on a million requests
+    return [build(session_id=f"r{i}", turn=0, delay_s=float(a), new_input_tokens=int(p), output_tokens=int(o),
+                  shared_prefix_id=None)
+            for i, (a, p, o) in enumerate(zip(np.round(arrivals, 3), inputs, outputs))]
+
+
+def load(spec: str, seed: int, overrides: dict[str, Any] | None = None) -> tuple[str, list[TraceRequest]]:
+    """A workload by name, or a trace file by path: its name and requests."""
+    path = Path(spec)
+    if spec not in SHAPES and (path.suffix in (".jsonl", ".json") or path.exists()):
+        if overrides:
+            raise ConfigError("workload", "a trace file takes no workload.* settings")
+        return path.stem, read_trace(path)
+    return spec, generate(spec, seed, overrides)
