@@ -9,8 +9,9 @@ virtual time with the pool's own controller, placement and router code
 (`lab/cluster.py`), and reports per policy: TTFT and E2E p50/p95/p99, SLO
 attainment, throughput, scale actions and routing switches, lost requests,
 GPU-memory-seconds and the objective of seed 000 §13.4. `--out` writes the
-JSON summary and each policy's scaling log (seed 001's `time,action,target,status`
-plus the reason); `--debug` prints every decision as it is made.
+JSON summary, each policy's scaling log (seed 001's `time,action,target,status`
+plus the reason) and its run record (for `modelpool calibrate`); `--debug`
+prints every decision as it is made.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def write_out(out: Path, workload: str, results: list[RunResult]) -> None:
     for r in results:
         lines = ["time,action,target,status,reason", *(line.csv() for line in r.log)]
         (out / "scaling" / f"{r.policy}.log").write_text("\n".join(lines) + "\n")
+        r.record.write(out / f"record-{r.policy}.json")  # what `modelpool calibrate --record` reads
     summary = {"workload": workload, "runs": {r.policy: r.summary for r in results}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -30,6 +30,7 @@ from datetime import datetime, timedelta, timezone
 
 from lab.config import LabSettings
 from lab.instance import Job, LabInstance, TierModel
+from lab.record import RunRecord, Transition, WindowRecord
 from policy import decide
 from routing.backends import backend_order
 from routing.registry import build_scheduler
@@ -136,7 +137,10 @@ class Window:
     inflight_fast_s: float = 0.0
     inflight_slow_s: float = 0.0
     queue_s: float = 0.0
+    running_fast_s: float = 0.0
+    running_slow_s: float = 0.0
     decoded: float = 0.0
+    decoded_by: dict[BackendType, float] = field(default_factory=lambda: {FAST: 0.0, SLOW: 0.0})
     prefilled: int = 0
     peak: int = 0
 
@@ -199,6 +203,7 @@ class Cluster:
         self.memory_gb_s = 0.0
         self._level_at = 0.0
         self._inflight = {FAST: 0, SLOW: 0}
+        self._running = {FAST: 0, SLOW: 0}
         self.window = Window(0.0)
         self._actions_in_tick = 0
         self._index = 0
@@ -206,6 +211,7 @@ class Cluster:
         self._serving: dict[tuple[BackendType, Role | None], list[LabInstance]] | None = None
         """Running instances by backend and role, rebuilt after any instance changes state."""
         self._window_e2e = self._window_rate = self._window_arrivals = 0.0
+        self.record = RunRecord(alias.model_dump(mode="json"))
 
     # ------------------------------------------------------------------ the loop
 
@@ -271,6 +277,8 @@ class Cluster:
         w.inflight_fast_s += self._inflight[FAST] * dt
         w.inflight_slow_s += self._inflight[SLOW] * dt
         w.queue_s += len(self.queue) * dt
+        w.running_fast_s += self._running[FAST] * dt
+        w.running_slow_s += self._running[SLOW] * dt
         self.memory_gb_s += self.memory_gb * dt
         self._level_at = now
 
@@ -338,11 +346,15 @@ class Cluster:
         output = 1 if role is Role.PREFILL else (req.output_tokens - 1 if role is Role.DECODE else req.output_tokens)
         job, generated = inst.admit(req, req.session, req.prompt_tokens, max(1, output), now,
                                     prefilled=role is Role.DECODE)
-        self.window.decoded += generated
+        self._generated(inst, generated)
         self.window.prefilled += job.prompt_tokens - job.cached_tokens
         self._inflight[inst.backend] += 1
         self.window.peak = max(self.window.peak, sum(self._inflight.values()))
         self._schedule_completion(inst)
+
+    def _generated(self, inst: LabInstance, tokens: float) -> None:
+        self.window.decoded += tokens
+        self.window.decoded_by[inst.backend] += tokens
 
     def _schedule_completion(self, inst: LabInstance) -> None:
         at = inst.next_completion()
@@ -355,7 +367,7 @@ class Cluster:
             return  # stale: the instance's schedule moved since
         self._level(now)
         done, generated = inst.complete_due(now)
-        self.window.decoded += generated
+        self._generated(inst, generated)
         for job in done:
             req: LabRequest = job.request  # type: ignore[assignment]
             if inst.role is not Role.DECODE:
@@ -425,7 +437,8 @@ class Cluster:
         if inst is None or inst.ready_at is None or inst.version != version:
             return
         inst.ready_at = None
-        inst.state, inst.since, inst.sleep_level = S.RUNNING, now, 0
+        self._moved(inst, S.RUNNING, now)
+        inst.sleep_level = 0
         self._serving = None
         inst.t_ref = inst.busy_until = now
         self.pending.pop(instance_id, None)  # a wake is done
@@ -453,14 +466,16 @@ class Cluster:
             inst.ready_at = now + delay
             inst.version += 1
             self.pending[inst.instance_id] = PendingCommand(a.command_id, a.action, a.backend, a.instance_id, when)
+            self.record.wakes.append((now, inst.instance_id))
             self._push(now + delay, READY, (inst.instance_id, inst.version))
         elif a.action is Action.SLEEP:
             if inst.state is S.RUNNING:
                 self._memory_changed(now, model.sleep_memory_gb - model.memory_gb)
-            inst.state, inst.since, inst.sleep_level = (S.SLEEP_1 if a.level == 1 else S.SLEEP_2), now, a.level
+            self._moved(inst, S.SLEEP_1 if a.level == 1 else S.SLEEP_2, now)
+            inst.sleep_level = a.level
             self._serving = None
         elif a.action is Action.DRAIN:
-            inst.state, inst.since = S.DRAINING, now
+            self._moved(inst, S.DRAINING, now)
             self._serving = None
             if inst.jobs:
                 self.pending[inst.instance_id] = PendingCommand(a.command_id, a.action, a.backend, a.instance_id, when)
@@ -472,6 +487,7 @@ class Cluster:
             inst.jobs.clear()
             inst.version += 1
             del self.instances[inst.instance_id]
+            self._moved(inst, S.ABSENT, now)
             self._serving = None
             self.workers[inst.worker_id].remove(inst.instance_id)
             self.pending.pop(inst.instance_id, None)
@@ -489,6 +505,8 @@ class Cluster:
         inst = LabInstance(a.instance_id, a.backend, placed.worker_id, model, S.STARTING, now, role=a.role,
                            ready_at=now + model.startup_s, t_ref=now, busy_until=now)
         self.instances[a.instance_id] = inst
+        self.record.transitions.append(Transition(now, inst.instance_id, inst.backend.value, S.ABSENT.value,
+                                                  S.STARTING.value))
         self.workers[placed.worker_id].append(a.instance_id)
         self._memory_changed(now, model.memory_gb)
         self._push(now + model.startup_s, READY, (inst.instance_id, inst.version))
@@ -563,6 +581,14 @@ class Cluster:
         inst = self.instances.get(instance_id)
         return inst.role if inst else None
 
+    def _moved(self, inst: LabInstance, state: InstanceState, now: float) -> None:
+        if (inst.state is S.RUNNING) != (state is S.RUNNING):
+            self._level(now)
+            self._running[inst.backend] += 1 if state is S.RUNNING else -1
+        self.record.transitions.append(Transition(now, inst.instance_id, inst.backend.value, inst.state.value,
+                                                  state.value))
+        inst.state, inst.since = state, now
+
     def _routable(self) -> bool:
         return any(i.state is S.RUNNING for i in self.instances.values())
 
@@ -571,7 +597,7 @@ class Cluster:
         w = self.window
         for inst in self.instances.values():
             if inst.jobs:
-                w.decoded += inst.advance(now)  # tokens generated up to the window's end count in it
+                self._generated(inst, inst.advance(now))  # tokens generated up to the window's end count in it
         seconds = max(1e-9, now - w.start)
         self.last_window = MetricWindow(
             window_start=_at(w.start), window_end=_at(now), requests=w.answered,
@@ -587,6 +613,11 @@ class Cluster:
         self._window_e2e = (sum(w.e2e_fast) + sum(w.e2e_slow)) / max(1, w.answered)
         self._window_rate = w.answered / seconds
         self._window_arrivals = w.arrivals / seconds
+        running = {FAST.value: w.running_fast_s / seconds, SLOW.value: w.running_slow_s / seconds}
+        self.record.windows.append(WindowRecord(
+            w.start, now, w.arrivals, w.answered_fast, w.answered_slow, running,
+            {FAST.value: w.inflight_fast_s / seconds, SLOW.value: w.inflight_slow_s / seconds},
+            {FAST.value: w.decoded_by[FAST], SLOW.value: w.decoded_by[SLOW]}))
         self.window = Window(now, peak=sum(self._inflight.values()))
 
     def _sample(self, now: float) -> None:

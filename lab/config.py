@@ -36,7 +36,7 @@ class Objective(BaseModel):
     """Weight of throughput y_t (requests answered per second)."""
     beta: float = Field(default=1.0, ge=0)
     """Weight of delay D_t (mean E2E seconds of the requests answered in the window)."""
-    gamma: float = Field(default=0.01, ge=0)
+    gamma: float = Field(default=0.1, ge=0)
     """Weight of memory M_t (GB held)."""
     eta: float = Field(default=0.1, ge=0)
     """Weight of control actions (commands sent in the tick)."""

@@ -11,6 +11,7 @@ import numpy as np
 
 from lab.cluster import Cluster, LogLine, Sample, Served
 from lab.config import LabSettings, tier_models
+from lab.record import RunRecord
 from shared.contracts.config import AliasConfig, PolicySettings
 from shared.contracts.control import Decision
 from shared.contracts.trace import TraceRequest
@@ -23,6 +24,7 @@ class RunResult:
     served: list[Served]
     samples: list[Sample]
     log: list[LogLine]
+    record: RunRecord
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -34,7 +36,7 @@ def run(alias: AliasConfig, settings: PolicySettings, lab: LabSettings, trace: l
     started = time.perf_counter()
     cluster.run()
     wall = time.perf_counter() - started
-    result = RunResult(alias.autoscaling_policy.name, alias, cluster.served, cluster.samples, cluster.log)
+    result = RunResult(alias.autoscaling_policy.name, alias, cluster.served, cluster.samples, cluster.log, cluster.record)
     result.summary = summarise(cluster, lab, wall)
     return result
 

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("simulation.cli", "offline decode simulator: generate, run, compare, truncate, fluid-limit"),
     "trace": ("services.ops.trace", "agentic traces in seed 004's format: generate, run (closed-loop replay)"),
     "lab": ("lab.cli", "policy lab: simulate the pool's policies on a workload (run, compare)"),
+    "calibrate": ("lab.calibrate_cli", "estimate a run's rates, derive the hybrid parameters, tune them in the lab"),
     "engine": ("services.engines.cli", "run an inference engine: `engine llama.cpp` or `engine sim`"),
 }
 
