@@ -1,0 +1,108 @@
+"""Does the lab agree with the pool? The same trace and pool file through both, compared.
+
+The pool: every service as a real process (`LocalPool`: relay, projector,
+placement, autoscaler, gateway, one worker) on Postgres and NATS, its engines
+the simulated ones (`modelpool engine sim`), the trace replayed open loop
+through the gateway (`services.ops.trace_replay`). The lab: the same pool file,
+trace, control tick and metric window, and a worker of the same size. Compared:
+TTFT and E2E quantiles (and the largest gap between the two distributions, the
+Kolmogorov-Smirnov distance), answered and lost requests, and the routing
+switches with their times from the first request.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from lab.config import LabSettings
+from lab.results import run
+from services.ops.localpool import LocalPool
+from services.ops.trace_replay import Replay
+from shared.contracts.config import load_pool_config
+from shared.contracts.trace import TraceRequest
+from shared.eventlog.store import EventStore
+
+QUANTILES = (50, 90, 99)
+
+
+async def pool_run(database_url: str, nats_url: str, namespace: str, pool_yaml: str, workdir: Path,
+                   trace: list[TraceRequest], store: EventStore, *, tick_s: float, window_s: float,
+                   worker: dict[str, str]) -> dict[str, Any]:
+    """The trace through the real pool: per-request TTFT and E2E, and the routing switches, in trace seconds."""
+    name = load_pool_config_text(pool_yaml).aliases[0].alias
+    pool = LocalPool(database_url, nats_url, namespace, pool_yaml, workdir, workers={"w1": worker},
+                     env={"MODELPOOL_METRIC_WINDOW_S": str(window_s), "MODELPOOL_CONTROL_TICK_S": str(tick_s)})
+    pool.start()
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=2000)) as client:
+            replay = Replay(pool.gateway.removesuffix("/v1"), name, client, open_loop=True)
+            began_at = datetime.now(timezone.utc)
+            await replay.run(trace)
+        events = await store.history(name)
+    finally:
+        pool.stop()
+    return {
+        "ttft": [s.first - s.sent for s in replay.served if s.first is not None and s.done is not None],
+        "e2e": [s.done - s.sent for s in replay.served if s.done is not None],
+        "answered": sum(1 for s in replay.served if s.done is not None and s.error is None),
+        "lost": sum(1 for s in replay.served if s.done is None or s.error is not None),
+        "switches": [(f"{e.payload['from_state']}->{e.payload['to_state']}",
+                      (e.occurred_at - began_at).total_seconds()) for e in events if e.type == "RoutingStateChanged"],
+    }
+
+
+def lab_run(pool_yaml: str, trace: list[TraceRequest], *, tick_s: float, window_s: float, worker_gb: float,
+            worker_slots: int, seed: int = 0) -> dict[str, Any]:
+    pool = load_pool_config_text(pool_yaml)
+    lab = LabSettings(tick_s=tick_s, window_s=window_s, workers=1, worker_gpu_memory_gb=worker_gb,
+                      worker_slots=worker_slots, seed=seed, drain_s=0)
+    result = run(pool.aliases[0], pool.policy, lab, trace)
+    answered = [s for s in result.served if s.lost is None]
+    return {
+        "ttft": [s.ttft for s in answered if s.ttft is not None],
+        "e2e": [s.e2e for s in answered if s.e2e is not None],
+        "answered": len(answered),
+        "lost": len(result.served) - len(answered),
+        "switches": [(line.status, line.t) for line in result.log if line.action == "routing_switch"],
+    }
+
+
+def compare(pool: dict[str, Any], lab: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"answered": {"pool": pool["answered"], "lab": lab["answered"]},
+                           "lost": {"pool": pool["lost"], "lab": lab["lost"]}}
+    for key in ("ttft", "e2e"):
+        a, b = np.asarray(pool[key]), np.asarray(lab[key])
+        out[key] = {f"p{q}": {"pool": round(float(np.percentile(a, q)), 3), "lab": round(float(np.percentile(b, q)), 3)}
+                    for q in QUANTILES} if len(a) and len(b) else {}
+        out[f"{key}_ks"] = round(ks_distance(a, b), 3) if len(a) and len(b) else None
+    pairs = []
+    for (path_p, t_p), (path_l, t_l) in zip(pool["switches"], lab["switches"]):
+        pairs.append({"pool": path_p, "lab": path_l, "pool_s": round(t_p, 1), "lab_s": round(t_l, 1),
+                      "gap_s": round(t_p - t_l, 1)})
+    out["switches"] = pairs
+    out["same_path"] = [p for p, _ in pool["switches"]] == [p for p, _ in lab["switches"]]
+    return out
+
+
+def ks_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """The largest gap between the two empirical distribution functions."""
+    grid = np.sort(np.concatenate([a, b]))
+    fa = np.searchsorted(np.sort(a), grid, side="right") / len(a)
+    fb = np.searchsorted(np.sort(b), grid, side="right") / len(b)
+    return float(np.max(np.abs(fa - fb)))
+
+
+def load_pool_config_text(pool_yaml: str) -> Any:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(pool_yaml)
+    try:
+        return load_pool_config(f.name, environ={})
+    finally:
+        Path(f.name).unlink()

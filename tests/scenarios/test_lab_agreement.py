@@ -1,0 +1,35 @@
+"""The lab agrees with the pool: one trace and pool file through the real services and through the lab."""
+
+from __future__ import annotations
+
+from lab import workloads
+from lab.agreement import compare, lab_run, pool_run
+
+POOL = """
+policy: {HYBRID_MIX_STEP_S: 3, HYBRID_DOWN_HOLD_S: 600}
+aliases:
+  - alias: agree
+    backends:
+      llama.cpp: {model_name: agree, model_path: default, gpu_memory_gb: 6, min_replicas: 0, max_replicas: 2,
+                  engine: simulator}
+      vllm: {model_name: agree, model_path: /m, gpu_memory_gb: 12, min_replicas: 0, max_replicas: 1,
+             max_model_len: 4096, engine: simulator, engine_args: {startup-s: 6}}
+"""
+
+
+async def test_the_lab_takes_the_pools_path_at_the_pools_times_with_its_latencies(migrated, store, tmp_path):
+    _, trace = workloads.load("sustained", 3, {"rate": "3", "duration_s": "45", "input_tokens": "200",
+                                               "output_tokens": "48"})
+    pool = await pool_run(migrated.database_url, migrated.nats_url, migrated.namespace, POOL, tmp_path / "pool", trace,
+                          store, tick_s=0.5, window_s=1.0,
+                          worker={"MODELPOOL_WORKER_GPU_MEMORY_GB": "24", "MODELPOOL_WORKER_SLOTS": "6"})
+    lab = lab_run(POOL, trace, tick_s=0.5, window_s=1.0, worker_gb=24, worker_slots=6)
+    result = compare(pool, lab)
+    print(result)
+    assert result["lost"] == {"pool": 0, "lab": 0} and result["answered"]["pool"] == result["answered"]["lab"] == len(trace)
+    assert result["same_path"], result["switches"]
+    assert [s["pool"] for s in result["switches"]][:2] == ["COLD->FAST_ONLY", "FAST_ONLY->WARMING_VLLM"]
+    assert all(abs(s["gap_s"]) <= 5.0 for s in result["switches"]), result["switches"]
+    for q in ("p50", "p90"):
+        e2e = result["e2e"][q]
+        assert abs(e2e["lab"] / e2e["pool"] - 1) < 0.35, result["e2e"]
