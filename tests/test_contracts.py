@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from shared.contracts.backends import Action, BackendType, EngineKind, engine_label, substitute, supports
 from shared.contracts.commands import SleepInstance, StartInstance, command_registry
 from shared.contracts.config import ConfigError, PolicySettings, load_pool_config
-from shared.contracts.events import InstanceStateChanged, RoutingStateChanged, event_registry
+from shared.contracts.events import AliasConfigured, InstanceStateChanged, RoutingStateChanged, event_registry
 from shared.contracts.messages import Contract, Envelope, Event, InvalidMessage, Registry, derived_id
 from shared.contracts.states import (
     IllegalTransition,
@@ -200,10 +200,23 @@ def test_instance_state_changes_of_every_version_read_as_the_latest():
           "from_state": "ABSENT", "to_state": "STARTING", "reason": "r", "endpoint": "http://h:1"}
     registry = event_registry()
     assert registry.upcast("InstanceStateChanged", 1, v1) == (
-        3, {**v1, "exit_code": None, "log_tail": None, "internal_endpoint": None})
+        4, {**v1, "exit_code": None, "log_tail": None, "internal_endpoint": None, "role": None})
     v2 = {**v1, "exit_code": 1, "log_tail": "boom"}
     version, latest = registry.upcast("InstanceStateChanged", 2, v2)
-    assert version == 3 and InstanceStateChanged.model_validate(latest).internal_endpoint is None
+    assert version == 4 and InstanceStateChanged.model_validate(latest).internal_endpoint is None
+    version, latest = registry.upcast("InstanceStateChanged", 3, {**v2, "internal_endpoint": "http://h:2"})
+    assert version == 4 and InstanceStateChanged.model_validate(latest).role is None
+
+
+def test_start_commands_and_alias_configs_of_older_versions_read_as_the_latest():
+    commands, events = command_registry(), event_registry()
+    v2 = {"instance_id": "i", "alias": "a", "backend_type": "vllm", "worker_id": "w1", "engine": "simulator",
+          "model_name": "m", "model_path": "/m", "gpu_memory_gb": 1, "engine_args": {}}
+    version, latest = commands.upcast("StartInstance", 2, v2)
+    assert version == 3 and latest["role"] is None
+    config = {"alias": "a", "backends": {"vllm": {"model_name": "m", "model_path": "/m", "gpu_memory_gb": 1}}}
+    version, latest = events.upcast("AliasConfigured", 2, {"alias": "a", "config": config})
+    assert version == 3 and AliasConfigured.model_validate(latest).config.autoscaling_policy.name == "hybrid"
 
 
 def test_every_contract_type_is_unique_and_registered():

@@ -21,7 +21,7 @@ from services.worker.service import Worker
 from shared.bus import subjects as h
 from shared.bus.jetstream import Consumer, publish
 from shared.bus.telemetry import TelemetryBus
-from shared.contracts.backends import BackendType, EngineKind
+from shared.contracts.backends import BackendType, EngineKind, Role
 from shared.contracts.commands import (
     DeleteInstance,
     DrainInstance,
@@ -39,9 +39,9 @@ SLOW_VLLM_START = "MODELPOOL_SIM_VLLM_STARTUP_S"
 
 
 def start(iid: str, backend: BackendType = V, worker: str = "w1", engine: EngineKind = EngineKind.SIMULATOR,
-          model_path: str = "/m/q", max_model_len: int | None = None) -> StartInstance:
+          model_path: str = "/m/q", max_model_len: int | None = None, role: Role | None = None) -> StartInstance:
     return StartInstance(instance_id=iid, alias="qwen3-vl-2b", backend_type=backend, worker_id=worker, engine=engine,
-                         model_name="q", model_path=model_path, gpu_memory_gb=12, max_model_len=max_model_len)
+                         model_name="q", model_path=model_path, gpu_memory_gb=12, max_model_len=max_model_len, role=role)
 
 
 def sleep(iid: str, level: int) -> SleepInstance:
@@ -113,6 +113,7 @@ async def test_the_same_command_delivered_twice_has_one_effect(worker, store, bu
     await worker.handle(command, start("v1"))
 
     assert await states(store, "v1") == ["STARTING", "RUNNING"]
+    assert all(e.payload["role"] is None for e in await changes(store, "v1"))
     assert await outcomes(store, "v1") == [("start", "ok")]
     assert len([i for i in worker.instances.values() if i.process is not None]) == 1
     endpoint = worker.instances["v1"].endpoint
@@ -123,6 +124,14 @@ async def test_the_same_command_delivered_twice_has_one_effect(worker, store, bu
     assert models["data"][0]["id"] == "qwen3-vl-2b"
     running = (await changes(store, "v1"))[-1].payload
     assert running["internal_endpoint"] == internal != running["endpoint"]
+
+
+async def test_an_instance_started_with_a_role_records_it_in_every_state_change(worker, store):
+    command = start("d1", role=Role.DECODE)
+    await worker.handle(Envelope.wrap(command), command)
+    await eventually(lambda: outcomes(store, "d1"), timeout=30)
+    assert [(e.payload["to_state"], e.payload["role"]) for e in await changes(store, "d1")] == [
+        ("STARTING", "decode"), ("RUNNING", "decode")]
 
 
 async def test_two_copies_of_a_command_handled_at_once_have_one_effect(worker, store, monkeypatch):

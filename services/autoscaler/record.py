@@ -91,7 +91,7 @@ def command_for(action: PlannedAction, config: AliasConfig, drain_timeout_s: flo
                              model_name=backend.model_name, model_path=backend.model_path,
                              gpu_memory_gb=backend.gpu_memory_gb, max_model_len=backend.max_model_len,
                              tensor_parallel_size=backend.tensor_parallel_size, engine_args=backend.engine_args,
-                             **common)
+                             role=action.role, **common)
     assert action.worker_id is not None, f"{action.action.value} needs the instance's worker"
     worker = dict(common, worker_id=action.worker_id)
     if action.action is Action.WAKE:

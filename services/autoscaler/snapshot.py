@@ -69,6 +69,7 @@ def instance_view(row: Mapping[str, Any], reported: InstanceStatus | None, worke
         *_as_reported(row, reported, worker_up, fresh),
         unsupported,
         last_failure,
+        _ROLE.get(row.get("role")),
     )
 
 
@@ -77,7 +78,7 @@ def reported_again(view: InstanceView, row: Mapping[str, Any], reported: Instanc
     """`view` with a new report of its worker (its row and notes unchanged)."""
     return new_instance_view(view.instance_id, view.backend, view.engine, view.worker_id, view.state, view.state_since,
                              view.sleep_level, *_as_reported(row, reported, worker_up, fresh), view.unsupported,
-                             view.last_failure)
+                             view.last_failure, view.role)
 
 
 def _as_reported(row: Mapping[str, Any], reported: InstanceStatus | None, worker_up: bool,

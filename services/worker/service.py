@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from nats.errors import Error as NatsError
 
 from shared.bus.telemetry import TelemetryBus
-from shared.contracts.backends import Action, BackendType, EngineKind, Outcome, substitute, supports
+from shared.contracts.backends import Action, BackendType, EngineKind, Outcome, Role, substitute, supports
 from shared.contracts.commands import (
     DeleteInstance,
     DrainInstance,
@@ -77,6 +77,7 @@ class Instance:
     endpoint: str | None = None
     error: str | None = None
     """Why it is in ERROR, for its status reports."""
+    role: Role | None = None
 
 
 class Worker:
@@ -184,7 +185,7 @@ class Worker:
     async def _start(self, envelope: Envelope, cmd: StartInstance) -> None:
         inst = self.instances.get(cmd.instance_id)
         if inst is None:
-            inst = Instance(cmd.instance_id, cmd.alias, cmd.backend_type, cmd.engine, S.ABSENT)
+            inst = Instance(cmd.instance_id, cmd.alias, cmd.backend_type, cmd.engine, S.ABSENT, role=cmd.role)
         check_instance_transition(inst.backend_type, inst.state, S.STARTING)
         self.instances[inst.instance_id] = inst
         await self._transition(inst, S.STARTING, cmd.reason or "start requested", envelope, marker="accepted")
@@ -413,7 +414,7 @@ class Worker:
             sleep_level=inst.sleep_level if to_state in (S.SLEEP_1, S.SLEEP_2) else 0,
             capacity=inst.process.capacity if inst.process else None,
             endpoint=inst.endpoint, internal_endpoint=inst.process.internal_endpoint if inst.process else None,
-            command_id=cause.id if cause else None, exit_code=exit_code, log_tail=log_tail,
+            role=inst.role, command_id=cause.id if cause else None, exit_code=exit_code, log_tail=log_tail,
         )
         events = [Envelope.wrap(change, causation=cause,
                                 id=derived_id(cause.id, marker or to_state.value) if cause else None)]

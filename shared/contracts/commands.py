@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
-from shared.contracts.backends import Action, BackendType, EngineKind
+from shared.contracts.backends import Action, BackendType, EngineKind, Role
 from shared.contracts.messages import Command, Registry
 
 # Worker ids appear in bus subjects, where `.`, `*`, `>` and spaces are not allowed.
@@ -54,11 +54,13 @@ class EngineSpec(Command):
     tensor_parallel_size: int = Field(default=1, ge=1)
     engine_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
     """v2: the backend's extra engine flags (`BackendConfig.engine_args`)."""
+    role: Role | None = None
+    """v3: prefill or decode, for an instance of a disaggregated alias (HeteroScale)."""
 
 
 class StartInstance(InstanceCommand, EngineSpec):
     TYPE = "StartInstance"
-    VERSION = 2
+    VERSION = 3
     ACTION = Action.START
 
 
@@ -93,7 +95,7 @@ class PlaceInstance(EngineSpec):
     """Ask placement for a worker for a new instance, then have it started there."""
 
     TYPE = "PlaceInstance"
-    VERSION = 2
+    VERSION = 3
     request_id: uuid.UUID
     instance_id: str = Field(min_length=1)
     alias: str = Field(min_length=1)
@@ -116,8 +118,13 @@ def _no_engine_args(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "engine_args": {}}
 
 
+def _no_role(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "role": None}
+
+
 def command_registry() -> Registry:
     registry = Registry(COMMANDS)
     for contract in (StartInstance, PlaceInstance):
         registry.upcaster(contract.TYPE, 1)(_no_engine_args)
+        registry.upcaster(contract.TYPE, 2)(_no_role)
     return registry

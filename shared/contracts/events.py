@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.contracts.backends import Action, BackendType, EngineKind, Outcome
+from shared.contracts.backends import Action, BackendType, EngineKind, Outcome, Role
 from shared.contracts.config import AliasConfig
 from shared.contracts.control import AliasSnapshot, Decision, MetricWindow
 from shared.contracts.messages import Event, Registry
@@ -250,10 +250,11 @@ class PlacementFailed(Event):
 class InstanceStateChanged(Event):
     """v2: `exit_code` and `log_tail` say how an engine that died ended.
     v3: `internal_endpoint`, the engine's port for other modelpool services only (KV export and
-    import), never its public one; None for engines without one (vLLM)."""
+    import), never its public one; None for engines without one (vLLM).
+    v4: `role`, prefill or decode in a disaggregated alias (None otherwise)."""
 
     TYPE = "InstanceStateChanged"
-    VERSION = 3
+    VERSION = 4
     CATEGORY = "instance"
     instance_id: str
     alias: str
@@ -267,6 +268,7 @@ class InstanceStateChanged(Event):
     capacity: int | None = Field(default=None, ge=0)
     endpoint: str | None = None
     internal_endpoint: str | None = None
+    role: Role | None = None
     command_id: uuid.UUID | None = None
     exit_code: int | None = None
     log_tail: str | None = None
@@ -389,6 +391,10 @@ def _add_internal_endpoint(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "internal_endpoint": None}
 
 
+def _add_role(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "role": None}
+
+
 def event_registry() -> Registry:
     """A registry of every event contract, with the upcasters for their old versions."""
     registry = Registry(EVENTS)
@@ -396,6 +402,7 @@ def event_registry() -> Registry:
         registry.upcaster(type_name, 1)(_add_policy_version)
     registry.upcaster(InstanceStateChanged.TYPE, 1)(_add_exit_details)
     registry.upcaster(InstanceStateChanged.TYPE, 2)(_add_internal_endpoint)
+    registry.upcaster(InstanceStateChanged.TYPE, 3)(_add_role)
     registry.upcaster(AliasConfigured.TYPE, 1)(_unchanged)  # v1 payloads are valid v2 payloads
     registry.upcaster(AliasConfigured.TYPE, 2)(_unchanged)  # and v2 ones valid v3 ones (the hybrid policy)
     return registry

@@ -137,6 +137,7 @@ def _instance_state(rows: Rows, event: RawEvent) -> Iterable[str]:
         capacity=p.get("capacity", row.get("capacity")),
         endpoint=p.get("endpoint") or row.get("endpoint"),
         internal_endpoint=p.get("internal_endpoint") or row.get("internal_endpoint"),
+        role=p.get("role") or row.get("role"),
         reason=p["reason"],
         updated_at=event.occurred_at,
     )
@@ -173,6 +174,7 @@ INSTANCES = Projection(
         "capacity",
         "endpoint",
         "internal_endpoint",
+        "role",
         "reason",
         "updated_at",
     ),

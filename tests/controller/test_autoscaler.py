@@ -189,3 +189,36 @@ async def test_the_control_view_counts_the_alias_stream_and_tracks_commands_unti
     assert row["version"] == await store.stream_version("alias:tiny")
     (pending,) = row["pending"].values()
     assert pending["action"] == "start" and pending["acked"] is False
+
+
+HETERO = """
+aliases:
+  - alias: pd
+    backends:
+      vllm: {model_name: pd, model_path: /m, gpu_memory_gb: 12, max_replicas: 8, max_model_len: 4096, engine: simulator}
+    autoscaling_policy: {name: heteroscale, min_instances: 0}
+"""
+
+
+async def test_a_heteroscale_alias_places_prefill_and_decode_instances_and_reads_their_roles_back(
+        store, bus, settings, telemetry, telemetry_bus, tmp_path):
+    from services.autoscaler.snapshot import instance_view
+    from shared.contracts.backends import Role
+
+    path = tmp_path / "pool.yaml"
+    path.write_text(HETERO)
+    c = controller(store, bus, settings, telemetry, telemetry_bus, path, tick_s=60.0)
+    stop = asyncio.Event()
+    task = await running(c, stop)
+    await telemetry_bus.publish_demand(DemandSignal(gateway_id="g1", alias="pd", held=2, at=datetime.now(timezone.utc)))
+    await eventually(lambda: c.ticks >= 2, timeout=10)
+    placed = [PlaceInstance.model_validate(Envelope.model_validate_json(m.data).payload)
+              for m in await fetch(await placement_queue(bus), 2)]
+    stop.set()
+    await task
+    assert sorted(p.role.value for p in placed) == ["decode", "prefill"]
+    decided = [e for e in await store.history("pd") if e.type == PolicyDecided.TYPE][-1].payload
+    assert decided["policy"] == "heteroscale" and decided["decision"]["roles"] == {"prefill": 1, "decode": 1}
+    row = {"instance_id": placed[0].instance_id, "backend_type": "vllm", "engine": "simulator", "worker_id": "w1",
+           "state": "RUNNING", "updated_at": datetime.now(timezone.utc), "sleep_level": 0, "role": placed[0].role.value}
+    assert instance_view(row, None, True, True, None).role is Role(placed[0].role.value)
