@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="lab.X (objective weights: lab.objective.gamma=0.02), workload.X")
     parser.add_argument("--kappa", type=float, default=0.001, help="cost of a second of start delay in §13.7 (default 0.001)")
-    parser.add_argument("--rounds", type=int, default=2, help="passes of the search (0: the initial values only)")
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="at most this many passes of the search; it stops when a pass finds nothing better (0: no search)")
     parser.add_argument("--out", type=Path, help="write the pool-file fragment here")
     return parser
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from lab.config import LabSettings
-from lab.instance import Job, LabInstance, TierModel
+from lab.instance import LabInstance, TierModel
 from lab.record import RunRecord, Transition, WindowRecord
 from policy import decide
-from routing.backends import backend_order
+from routing.backends import backend_order, taking_new
 from routing.registry import build_scheduler
 from routing.scheduler import Endpoint, RoutingRequest, SessionState
 from services.placement.scoring import Placed, Request, WorkerView, place
@@ -88,11 +88,12 @@ class Served:
     backend: str | None
     queue_wait: float
     lost: str | None = None
+    session: str = ""
 
 
 @dataclass(slots=True)
 class Sample:
-    """The cluster at one tick, for the plots and the objective."""
+    """The cluster at the end of one metric window, for the plots and the objective (Delta = the window)."""
 
     t: float
     routing: str
@@ -192,7 +193,6 @@ class Cluster:
         self.first_turns.sort(key=lambda r: r.delay_s)
         self.context: dict[str, int] = {}
         """Each session's context so far (its prompts and answers)."""
-        self.total_requests = len(trace)
         # Measurements.
         self.served: list[Served] = []
         self.samples: list[Sample] = []
@@ -205,12 +205,12 @@ class Cluster:
         self._inflight = {FAST: 0, SLOW: 0}
         self._running = {FAST: 0, SLOW: 0}
         self.window = Window(0.0)
-        self._actions_in_tick = 0
+        self._actions_in_window = 0
         self._index = 0
         self._turns_due = 0
         self._serving: dict[tuple[BackendType, Role | None], list[LabInstance]] | None = None
         """Running instances by backend and role, rebuilt after any instance changes state."""
-        self._window_e2e = self._window_rate = self._window_arrivals = 0.0
+        self._views: dict[str, tuple[tuple[int, InstanceState, int], InstanceView]] = {}
         self.record = RunRecord(alias.model_dump(mode="json"))
 
     # ------------------------------------------------------------------ the loop
@@ -303,13 +303,17 @@ class Cluster:
 
     def _serving_by(self) -> dict[tuple[BackendType, Role | None], list[LabInstance]]:
         if self._serving is None:
-            self._serving = {}
+            serving: dict[tuple[BackendType, Role | None], list[LabInstance]] = {}
             for inst in self.instances.values():
                 if inst.state is S.RUNNING:
-                    self._serving.setdefault((inst.backend, inst.role), []).append(inst)
+                    serving.setdefault((inst.backend, inst.role), []).append(inst)
                     if inst.role is not None:
-                        self._serving.setdefault((inst.backend, Role.DECODE), [])
-                        self._serving.setdefault((inst.backend, Role.PREFILL), [])
+                        serving.setdefault((inst.backend, Role.DECODE), [])
+                        serving.setdefault((inst.backend, Role.PREFILL), [])
+            for (backend, role), found in serving.items():
+                if role is None:  # as the gateway: a tier's surplus takes nothing new
+                    serving[(backend, role)] = taking_new(found, self.targets.get(backend), _running_since)
+            self._serving = serving
         return self._serving
 
     def _route(self, req: LabRequest, now: float) -> bool:
@@ -321,10 +325,12 @@ class Cluster:
             candidates = serving.get((backend, role))
             if not candidates:
                 continue
-            reads_cache = self.scheduler.reads_cache
-            endpoints = [Endpoint(i.instance_id, i.inflight, i.full, i.pending_prefill(now),
-                                  i.cached_for(req.session, req.prompt_tokens) if reads_cache else 0)
-                         for i in candidates]
+            if self.scheduler.reads_cache:
+                endpoints = [Endpoint(i.instance_id, len(i.jobs), len(i.jobs) >= i.model.capacity,
+                                      i.pending_prefill(now), i.cached_for(req.session, req.prompt_tokens))
+                             for i in candidates]
+            else:
+                endpoints = [i.endpoint(now) for i in candidates]
             session = self.sessions.get(req.session) or SessionState(req.session)
             choice = self.scheduler.choose(RoutingRequest(session, req.prompt_tokens, now), endpoints)
             if choice is None:
@@ -393,7 +399,7 @@ class Cluster:
         e2e = now - req.arrival
         tbt = (now - first) / (req.output_tokens - 1) if req.output_tokens > 1 else None
         wait = (req.admitted_at or now) - req.arrival
-        self.served.append(Served(req.arrival, ttft, e2e, tbt, backend.value, wait))
+        self.served.append(Served(req.arrival, ttft, e2e, tbt, backend.value, wait, session=req.session))
         w = self.window
         w.answered += 1
         w.ttft.append(ttft)
@@ -410,7 +416,7 @@ class Cluster:
             self._push(now + turn.delay_s, TURN, turn)
 
     def _lose(self, req: LabRequest, reason: str, now: float) -> None:
-        self.served.append(Served(req.arrival, None, None, None, None, now - req.arrival, reason))
+        self.served.append(Served(req.arrival, None, None, None, None, now - req.arrival, reason, req.session))
         self.window.errors += 1
         self.later.pop(req.session, None)  # the agent gives up on its session
 
@@ -451,7 +457,7 @@ class Cluster:
 
     def _apply(self, a: PlannedAction, now: float) -> None:
         self.commands += 1
-        self._actions_in_tick += 1
+        self._actions_in_window += 1
         when = _at(now)
         if a.action is Action.START:
             self._start(a, now)
@@ -487,6 +493,7 @@ class Cluster:
             inst.jobs.clear()
             inst.version += 1
             del self.instances[inst.instance_id]
+            self._views.pop(inst.instance_id, None)
             self._moved(inst, S.ABSENT, now)
             self._serving = None
             self.workers[inst.worker_id].remove(inst.instance_id)
@@ -514,6 +521,16 @@ class Cluster:
     # ------------------------------------------------------------------ the controller
 
     def _view(self, inst: LabInstance) -> InstanceView:
+        """The instance as the controller sees it, rebuilt only when it changed since the last tick."""
+        key = (inst.version, inst.state, inst.sleep_level)
+        cached = self._views.get(inst.instance_id)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        view = self._new_view(inst)
+        self._views[inst.instance_id] = (key, view)
+        return view
+
+    def _new_view(self, inst: LabInstance) -> InstanceView:
         running = inst.state is S.RUNNING
         return new_instance_view(
             inst.instance_id, inst.backend, EngineKind.SIMULATOR, inst.worker_id, inst.state, _at(inst.since),
@@ -532,7 +549,6 @@ class Cluster:
             start_failures=dict(self.start_failures),
         )
         decision = decide(snapshot, _at(now))
-        self._actions_in_tick = 0
         self.state = decision.state
         if decision.routing:
             self.log.append(LogLine(now, "routing_switch", decision.routing.to_state.value,
@@ -543,14 +559,15 @@ class Cluster:
         self._log_scaling(now, decision, snapshot.instances)
         if decision.effective(snapshot):
             self.version += 1 + bool(decision.routing) + bool(decision.mix)
+            if decision.targets != self.targets:
+                self._serving = None
             self.targets = dict(decision.targets)
             if self.on_decision:
                 self.on_decision(now, decision)
         for action in decision.actions:
             self._apply(action, now)
-        if decision.actions or decision.routing or decision.mix:
-            self._pump(now)
-        self._sample(now)
+        if self.queue:
+            self._pump(now)  # new room, a new state, or requests waiting past their timeout
 
     def _log_scaling(self, now: float, d: Decision, before: tuple[InstanceView, ...]) -> None:
         """A scaling log line for a decision that starts or wakes instances (scale_out) or lets awake ones go
@@ -610,9 +627,8 @@ class Cluster:
             requests_slow=w.answered_slow, errors=w.errors, inflight_peak=float(w.peak),
             held=len(self.queue) if not self._routable() else 0, e2e_p95_slow_s=p95(w.e2e_slow),
         )
-        self._window_e2e = (sum(w.e2e_fast) + sum(w.e2e_slow)) / max(1, w.answered)
-        self._window_rate = w.answered / seconds
-        self._window_arrivals = w.arrivals / seconds
+        self._sample(now, (sum(w.e2e_fast) + sum(w.e2e_slow)) / max(1, w.answered), w.answered / seconds,
+                     w.arrivals / seconds)
         running = {FAST.value: w.running_fast_s / seconds, SLOW.value: w.running_slow_s / seconds}
         self.record.windows.append(WindowRecord(
             w.start, now, w.arrivals, w.answered_fast, w.answered_slow, running,
@@ -620,7 +636,8 @@ class Cluster:
             {FAST.value: w.decoded_by[FAST], SLOW.value: w.decoded_by[SLOW]}))
         self.window = Window(now, peak=sum(self._inflight.values()))
 
-    def _sample(self, now: float) -> None:
+    def _sample(self, now: float, e2e: float, rate: float, arrivals: float) -> None:
+        """The cluster at a window's end, and the window's term of seed 000 §13.4's objective."""
         awake: dict[str, int] = {}
         asleep: dict[str, int] = {}
         for inst in self.instances.values():
@@ -630,14 +647,16 @@ class Cluster:
             elif inst.state in (S.SLEEP_1, S.SLEEP_2):
                 asleep[key] = asleep.get(key, 0) + 1
         o = self.lab.objective
-        j = o.beta * self._window_e2e + o.gamma * self.memory_gb - o.alpha * self._window_rate \
-            + o.eta * self._actions_in_tick
-        self.samples.append(Sample(now, self.routing.value, awake, asleep, self._window_arrivals, self.memory_gb,
-                                   self._actions_in_tick, j))
+        j = o.beta * e2e + o.gamma * self.memory_gb - o.alpha * rate + o.eta * self._actions_in_window
+        self.samples.append(Sample(now, self.routing.value, awake, asleep, arrivals, self.memory_gb,
+                                   self._actions_in_window, j))
+        self._actions_in_window = 0
+
+
+def _running_since(inst: LabInstance) -> tuple[float, str]:
+    return inst.since, inst.instance_id
 
 
 def _at(t: float) -> datetime:
     return EPOCH + timedelta(seconds=t)
 
-
-__all__ = ["Cluster", "EPOCH", "Job", "LogLine", "Sample", "Served"]

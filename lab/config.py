@@ -28,7 +28,8 @@ from shared.contracts.config import POLICY_NAMES, AliasConfig, ConfigError, Pool
 
 
 class Objective(BaseModel):
-    """Seed 000 §13.4: min mean over ticks of beta D_t + gamma M_t - alpha y_t + eta |actions_t|."""
+    """Seed 000 §13.4: min, averaged over metric windows (the time slice Delta), of
+    beta D_t + gamma M_t - alpha y_t + eta |actions_t|."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -39,7 +40,7 @@ class Objective(BaseModel):
     gamma: float = Field(default=0.1, ge=0)
     """Weight of memory M_t (GB held)."""
     eta: float = Field(default=0.1, ge=0)
-    """Weight of control actions (commands sent in the tick)."""
+    """Weight of control actions (commands sent in the window)."""
 
 
 class LabSettings(BaseModel):

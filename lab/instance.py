@@ -19,6 +19,7 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from routing.scheduler import Endpoint
 from shared.contracts.backends import BackendType, Role
 from shared.contracts.states import InstanceState
 
@@ -84,6 +85,9 @@ class LabInstance:
     cache: OrderedDict[str, int] = field(default_factory=OrderedDict)
     cached_total: int = 0
     served: int = 0
+    _endpoint: Endpoint | None = None
+    _endpoint_version: int = -1
+    _endpoint_until: float = 0.0
 
     @property
     def inflight(self) -> int:
@@ -113,6 +117,21 @@ class LabInstance:
     def cached_for(self, session: str, prompt_tokens: int) -> int:
         held = self.cache.get(session)
         return min(held, prompt_tokens) if held else 0
+
+    def endpoint(self, now: float) -> Endpoint:
+        """The instance as a router sees it (without cache hits), rebuilt only when it changed."""
+        cached = self._endpoint
+        if cached is not None and self._endpoint_version == self.version and now < self._endpoint_until:
+            return cached
+        waiting = self.prefilling
+        while waiting and waiting[0][0] <= now:
+            waiting.popleft()
+        n = len(self.jobs)
+        self._endpoint = Endpoint(self.instance_id, n, n >= self.model.capacity,
+                                  sum(tokens for _, tokens in waiting) if waiting else 0)
+        self._endpoint_version = self.version
+        self._endpoint_until = waiting[0][0] if waiting else math.inf
+        return self._endpoint
 
     def pending_prefill(self, now: float) -> int:
         """Prompt tokens admitted and not yet past their first token (what EAR and kv-aware weigh)."""

@@ -152,8 +152,9 @@ class _Step:
 
 class HybridPolicy:
     name = "hybrid"
-    version = 2
-    """2: requests waiting in the gateways for a slot count as load (inflight_total, the fast warm-up signal)."""
+    version = 3
+    """2: requests waiting in the gateways for a slot count as load (inflight_total, the fast warm-up signal).
+    3: the vLLM tier keeps an instance until the load falls below C_down per instance (§5.1's hysteresis)."""
 
     def propose(self, s: AliasSnapshot, now: datetime, new_window: bool) -> Proposal:
         cfg = s.settings
@@ -425,15 +426,24 @@ class HybridPolicy:
                 wishes[FAST] = Wish(n, reason, RELEASE_AT_ONCE, _fast_pacing(
                     cfg.SCALE_UP_COOLDOWN_S, cfg.LLAMA_SCALE_DOWN_COOLDOWN_S, cfg.SCALE_DOWN_CONSECUTIVE))
         if SLOW in s.config.backends:
-            needed = max(1, math.ceil(round(load.total, 3) / cap.c_up))
+            total = round(load.total, 3)
+            up = max(1, math.ceil(total / cap.c_up))
+            # §5.1's hysteresis: a vLLM instance is added when the load passes C_up per instance and
+            # kept until it falls below C_down per instance, so load near a boundary does not start
+            # and cancel instances in turn.
+            awake = sum(1 for i in s.of(SLOW) if i.state in (InstanceState.RUNNING, InstanceState.STARTING))
+            keep = min(awake, max(1, math.ceil(total / cap.c_down)))
+            needed = max(up, keep)
+            sizing = f"ceil({_fmt(load.total)} / C_up {cap.c_up}) = {up}, at least 1"
+            if keep > up:
+                sizing += f"; {keep} kept while ceil({_fmt(load.total)} / C_down {cap.c_down}) >= {keep}"
             if state in (R.WARMING_VLLM, R.MIXED) or (state is R.VLLM_PRIMARY and self._hybrid(s)):
-                wishes[SLOW] = Wish(needed, f"{state.value}: ceil({_fmt(load.total)} / C_up {cap.c_up}) = {needed}, "
-                                            f"at least 1", slow_ladder, slow)
+                wishes[SLOW] = Wish(needed, f"{state.value}: {sizing}", slow_ladder, slow)
             elif state is R.VLLM_PRIMARY:  # no fast tier: vLLM serves alone, and may rest when idle for long
                 parked = memory.low_load_since is not None and \
                     now >= memory.low_load_since + timedelta(seconds=cfg.HYBRID_DOWN_HOLD_S)
                 wishes[SLOW] = Wish(0, "vLLM idle past HYBRID_DOWN_HOLD_S", slow_ladder, slow) if parked else \
-                    Wish(needed, f"serves alone: ceil({_fmt(load.total)} / C_up {cap.c_up}) = {needed}", slow_ladder, slow)
+                    Wish(needed, f"serves alone: {sizing}", slow_ladder, slow)
             elif state is R.DEGRADED_FAST:
                 wishes[SLOW] = Wish(0, f"DEGRADED_FAST: {memory.degraded_reason}", DELETE_AT_ONCE, slow, urgent=True)
             else:

@@ -114,7 +114,9 @@ class Scheduler:
         for weighted in self.scorers:
             for i, score in enumerate(weighted.scorer(request, candidates)):
                 totals[i] += weighted.weight * score
-        best = max(range(len(candidates)), key=lambda i: (totals[i], self.rng.random()))
+        top = max(totals)
+        ties = [i for i, total in enumerate(totals) if total == top]
+        best = ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
         picked = candidates[best].instance_id
         host = request.session.host
         if not self.binds_sessions or host is None or host == picked:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from routing.backends import backend_order
+from routing.backends import backend_order, taking_new
 from routing.registry import build_scheduler
 from routing.scheduler import Endpoint, RoutingRequest, Scheduler, SessionState
 from services.gateway.prompts import BLOCK_BYTES, PrefixIndex, Prompt, TokensPerByte
@@ -30,6 +30,10 @@ from shared.contracts.backends import BackendType
 from shared.contracts.config import RouterConfig
 from shared.projections.live import LiveView
 from shared.projections.readmodels import INSTANCES, ROUTING
+
+
+def _running_since(row: dict[str, Any]) -> tuple[Any, str]:
+    return row["updated_at"], row["instance_id"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +107,10 @@ class Router:
             for row in self.view[INSTANCES].values():
                 if row["state"] == "RUNNING" and row.get("endpoint"):
                     index.setdefault((row["alias"], BackendType(row["backend_type"])), []).append(row)
+            routing = self.view[ROUTING]
+            for (name, tier), rows in index.items():
+                target = ((routing.get(name) or {}).get("targets") or {}).get(tier.value)
+                index[(name, tier)] = taking_new(rows, target, _running_since)
             self._routable = index
             self.index.forget({row["instance_id"] for rows in index.values() for row in rows})
         return self._routable.get((alias, backend), [])

@@ -122,3 +122,15 @@ def test_lab_compare_writes_a_summary_scaling_logs_and_a_plot(tmp_path, capsys):
     assert log[0] == "time,action,target,status,reason" and any(",autoscaling_decision,scale_out," in x for x in log)
     assert (tmp_path / "lab.png").stat().st_size > 10_000
     assert json.loads(printed.strip().splitlines()[-1])["hybrid"]["requests"] == 40
+
+
+def test_an_agentic_trace_runs_closed_loop_with_the_alias_router():
+    overrides = {"sessions": "60", "span_s": "60", "new_input_tokens": "300"}
+    r = lab_run("hybrid", "agentic", 3, "router.plugin=ear", "router.t_hot_tokens=256", overrides=overrides)
+    _, trace = workloads.load("agentic", 3, overrides)
+    assert r.summary["requests"] == len(trace) > 60 and r.summary["lost"] == 0
+    by_session: dict[str, list] = {}
+    for s in sorted(r.served, key=lambda s: s.arrival):
+        by_session.setdefault(s.session, []).append(s)
+    later = [(a, b) for turns in by_session.values() for a, b in zip(turns, turns[1:])]
+    assert later and all(b.arrival >= a.arrival + a.e2e for a, b in later)  # closed loop: after the answer
