@@ -18,12 +18,13 @@ from typing import Any
 
 import httpx
 import numpy as np
+import yaml
 
 from lab.config import LabSettings
 from lab.results import run
 from services.ops.localpool import LocalPool
 from services.ops.trace_replay import Replay
-from shared.contracts.config import load_pool_config
+from shared.contracts.config import PoolConfig
 from shared.contracts.trace import TraceRequest
 from shared.eventlog.store import EventStore
 
@@ -97,12 +98,5 @@ def ks_distance(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(fa - fb)))
 
 
-def load_pool_config_text(pool_yaml: str) -> Any:
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(pool_yaml)
-    try:
-        return load_pool_config(f.name, environ={})
-    finally:
-        Path(f.name).unlink()
+def load_pool_config_text(pool_yaml: str) -> PoolConfig:
+    return PoolConfig.model_validate(yaml.safe_load(pool_yaml))

@@ -133,7 +133,10 @@ def apply_sets(pool: PoolConfig, alias_name: str | None, sets: dict[str, dict[st
     try:
         pool = pool.model_copy(update={"policy": pool.policy.model_validate(
             {**pool.policy.model_dump(), **sets.get("policy", {})})})
-        lab = (lab or LabSettings()).model_validate({**(lab or LabSettings()).model_dump(), **_nested(sets.get("lab", {}))})
+        base = (lab or LabSettings()).model_dump()
+        for key, value in _nested(sets.get("lab", {})).items():
+            base[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        lab = LabSettings.model_validate(base)
     except ValidationError as exc:
         error = exc.errors()[0]
         raise ConfigError(".".join(str(p) for p in error["loc"]), error["msg"], "--set") from None

@@ -25,11 +25,12 @@ def plot_runs(runs: list[RunResult], path: Path, title: str) -> Path:
                 ax.step(t, [s.asleep.get(tier, 0) for s in run.samples], where="post", lw=0.8, ls=":",
                         label=f"{tier} asleep")
         ax.set_ylabel("instances")
+        ax.set_ylim(bottom=0, top=max(1, ax.get_ylim()[1]))
         load = ax.twinx()
         load.plot(t, [s.arrivals_per_s for s in run.samples], color="grey", lw=0.6, alpha=0.6, label="arrivals/s")
         load.set_ylabel("arrivals / s", color="grey")
         s = run.summary
-        ax.set_title(f"{run.policy}: SLO {s['slo_attainment']:.1%}, TTFT p95 {s['ttft_s']['p95']} s, "
+        ax.set_title(f"{run.policy}: SLO {s['slo_attainment']:.2%}, TTFT p95 {s['ttft_s']['p95']} s, "
                      f"{s['scale_actions']} scale actions, {s['gpu_mem_s'] / 3600:.0f} GB·h", fontsize=9, loc="left")
         ax.legend(loc="upper left", fontsize=7, ncol=3)
     axes[-1, 0].set_xlabel(f"time ({unit})")

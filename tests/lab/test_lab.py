@@ -106,6 +106,10 @@ def test_overrides_name_the_field_that_is_wrong():
     applied, _, _ = apply_sets(pool, None, parse_sets(["autoscaling_policy=heteroscale", "heteroscale.pd_ratio=0.5",
                                                        "latency.step=3"]))
     assert applied.autoscaling_policy.pd_ratio == 0.5
+    _, _, lab = apply_sets(pool, None, parse_sets(["lab.objective.gamma=0.5"]), LabSettings(seed=3))
+    assert (lab.objective.gamma, lab.objective.beta, lab.seed) == (0.5, 1.0, 3)  # one weight changed, the rest kept
+    with pytest.raises(ConfigError, match="nope"):
+        apply_sets(pool, None, parse_sets(["lab.nope=1"]))
 
 
 def test_lab_compare_writes_a_summary_scaling_logs_and_a_plot(tmp_path, capsys):
