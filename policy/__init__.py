@@ -4,9 +4,10 @@
 
 imports nothing but `shared.contracts`: the autoscaler service, `replay
 --verify-decisions` and the policy lab's simulated cluster all call this very
-code. A policy (`hybrid.py`) proposes; the shared rules (`rules.py`) bound and
-pace every policy's proposal the same way; `reconcile.py` turns the plan into
-ordered commands with ids derived from the decision. Every threshold the
+code. The alias's policy (`hybrid.py`, `heteroscale.py`, `baselines.py`)
+proposes; the shared rules (`rules.py`) bound and pace every policy's proposal
+the same way; `reconcile.py` turns the plan into ordered commands with ids
+derived from the decision. Every threshold the
 controller compares against is read here, from the snapshot's settings, and
 nowhere else.
 """
