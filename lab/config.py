@@ -129,7 +129,10 @@ def apply_sets(pool: PoolConfig, alias_name: str | None, sets: dict[str, dict[st
         alias = AliasConfig.model_validate(data)
     except ValidationError as exc:
         error = exc.errors()[0]
-        raise ConfigError(".".join(str(p) for p in error["loc"]), error["msg"], "--set") from None
+        loc = [str(p) for p in error["loc"]]
+        if loc[:1] == ["autoscaling_policy"] and len(loc) > 2:
+            del loc[1]  # the union's tag (the policy's name), not a field the user wrote
+        raise ConfigError(".".join(loc), error["msg"], "--set") from None
     try:
         pool = pool.model_copy(update={"policy": pool.policy.model_validate(
             {**pool.policy.model_dump(), **sets.get("policy", {})})})
