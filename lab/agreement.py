@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import numpy as np
 import yaml
+from scipy.stats import ks_2samp
 
 from lab.config import LabSettings
 from lab.results import run
@@ -80,7 +81,7 @@ def compare(pool: dict[str, Any], lab: dict[str, Any]) -> dict[str, Any]:
         a, b = np.asarray(pool[key]), np.asarray(lab[key])
         out[key] = {f"p{q}": {"pool": round(float(np.percentile(a, q)), 3), "lab": round(float(np.percentile(b, q)), 3)}
                     for q in QUANTILES} if len(a) and len(b) else {}
-        out[f"{key}_ks"] = round(ks_distance(a, b), 3) if len(a) and len(b) else None
+        out[f"{key}_ks"] = round(float(ks_2samp(a, b).statistic), 3) if len(a) and len(b) else None
     pairs = []
     for (path_p, t_p), (path_l, t_l) in zip(pool["switches"], lab["switches"]):
         pairs.append({"pool": path_p, "lab": path_l, "pool_s": round(t_p, 1), "lab_s": round(t_l, 1),
@@ -88,14 +89,6 @@ def compare(pool: dict[str, Any], lab: dict[str, Any]) -> dict[str, Any]:
     out["switches"] = pairs
     out["same_path"] = [p for p, _ in pool["switches"]] == [p for p, _ in lab["switches"]]
     return out
-
-
-def ks_distance(a: np.ndarray, b: np.ndarray) -> float:
-    """The largest gap between the two empirical distribution functions."""
-    grid = np.sort(np.concatenate([a, b]))
-    fa = np.searchsorted(np.sort(a), grid, side="right") / len(a)
-    fb = np.searchsorted(np.sort(b), grid, side="right") / len(b)
-    return float(np.max(np.abs(fa - fb)))
 
 
 def load_pool_config_text(pool_yaml: str) -> PoolConfig:

@@ -150,13 +150,14 @@ def _batch_time(seen: list[tuple[float, float, float]], capacity: int) -> tuple[
     points = [(held / seconds, held / tokens) for held, tokens, seconds in bins.values() if seconds > 0]
     if len(points) < 2:
         return None
-    mx = statistics.fmean(x for x, _ in points)
-    my = statistics.fmean(y for _, y in points)
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    if sxx <= 0:
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    try:
+        slope, intercept = statistics.linear_regression(xs, ys)
+    except statistics.StatisticsError:  # every window at one load level
         return None
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sxx)
-    return (my - slope * mx, slope), len(points)
+    if slope < 0:  # noise: a batch never gets faster with more requests in it
+        slope, intercept = 0.0, statistics.fmean(ys)
+    return (intercept, slope), len(points)
 
 
 @dataclass

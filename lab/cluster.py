@@ -63,16 +63,13 @@ READY, COMPLETE, TURN, WINDOW, TICK = range(5)
 
 @dataclass(slots=True, eq=False)
 class LabRequest:
-    index: int
     session: str
-    turn: int
     arrival: float
     prompt_tokens: int
     output_tokens: int
     queued_at: float = 0.0
     admitted_at: float | None = None
     first_token_at: float | None = None
-    backend: BackendType | None = None
     decoding: bool = False
     """Past its prefill on a prefill instance, waiting for or on a decode instance."""
 
@@ -140,7 +137,6 @@ class Window:
     queue_s: float = 0.0
     running_fast_s: float = 0.0
     running_slow_s: float = 0.0
-    decoded: float = 0.0
     decoded_by: dict[BackendType, float] = field(default_factory=lambda: {FAST: 0.0, SLOW: 0.0})
     prefilled: int = 0
     peak: int = 0
@@ -206,7 +202,6 @@ class Cluster:
         self._running = {FAST: 0, SLOW: 0}
         self.window = Window(0.0)
         self._actions_in_window = 0
-        self._index = 0
         self._turns_due = 0
         self._serving: dict[tuple[BackendType, Role | None], list[LabInstance]] | None = None
         """Running instances by backend and role, rebuilt after any instance changes state."""
@@ -292,8 +287,7 @@ class Cluster:
         self._level(now)
         prompt = self.context.get(r.session_id, 0) + r.new_input_tokens
         self.context[r.session_id] = prompt + r.output_tokens
-        req = LabRequest(self._index, r.session_id, r.turn, now, prompt, r.output_tokens, queued_at=now)
-        self._index += 1
+        req = LabRequest(r.session_id, now, prompt, r.output_tokens, queued_at=now)
         self.window.arrivals += 1
         if self.queue or not self._route(req, now):
             if len(self.queue) >= self.lab.queue_size:
@@ -348,7 +342,6 @@ class Cluster:
         if req.admitted_at is None:
             req.admitted_at = now
             self.window.queue_wait.append(now - req.queued_at)
-        req.backend = inst.backend
         output = 1 if role is Role.PREFILL else (req.output_tokens - 1 if role is Role.DECODE else req.output_tokens)
         job, generated = inst.admit(req, req.session, req.prompt_tokens, max(1, output), now,
                                     prefilled=role is Role.DECODE)
@@ -359,7 +352,6 @@ class Cluster:
         self._schedule_completion(inst)
 
     def _generated(self, inst: LabInstance, tokens: float) -> None:
-        self.window.decoded += tokens
         self.window.decoded_by[inst.backend] += tokens
 
     def _schedule_completion(self, inst: LabInstance) -> None:
@@ -621,7 +613,7 @@ class Cluster:
             inflight_fast=w.inflight_fast_s / seconds, inflight_slow=w.inflight_slow_s / seconds,
             queue_len=w.queue_s / seconds, queue_wait_p95_s=p95(w.queue_wait), ttft_p95_s=p95(w.ttft),
             e2e_p95_fast_s=p95(w.e2e_fast), e2e_p95_s=p95(w.e2e_fast + w.e2e_slow),
-            decode_tokens_per_s=w.decoded / seconds if w.decoded else None,
+            decode_tokens_per_s=sum(w.decoded_by.values()) / seconds or None,
             prefill_tokens_per_s=w.prefilled / seconds if w.prefilled else None,
             tbt_p95_s=p95(w.tbt), gateways=1, arrivals=w.arrivals, requests_fast=w.answered_fast,
             requests_slow=w.answered_slow, errors=w.errors, inflight_peak=float(w.peak),

@@ -93,10 +93,6 @@ class LabInstance:
     def inflight(self) -> int:
         return len(self.jobs)
 
-    @property
-    def full(self) -> bool:
-        return len(self.jobs) >= self.model.capacity
-
     def batch_s(self, n: int | None = None) -> float:
         return self.model.d_0 + self.model.d_1 * (len(self.jobs) if n is None else n)
 
@@ -123,14 +119,10 @@ class LabInstance:
         cached = self._endpoint
         if cached is not None and self._endpoint_version == self.version and now < self._endpoint_until:
             return cached
-        waiting = self.prefilling
-        while waiting and waiting[0][0] <= now:
-            waiting.popleft()
         n = len(self.jobs)
-        self._endpoint = Endpoint(self.instance_id, n, n >= self.model.capacity,
-                                  sum(tokens for _, tokens in waiting) if waiting else 0)
+        self._endpoint = Endpoint(self.instance_id, n, n >= self.model.capacity, self.pending_prefill(now))
         self._endpoint_version = self.version
-        self._endpoint_until = waiting[0][0] if waiting else math.inf
+        self._endpoint_until = self.prefilling[0][0] if self.prefilling else math.inf
         return self._endpoint
 
     def pending_prefill(self, now: float) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,4 @@ def _tokens_by_backend(m: dict[str, Any], seconds: float) -> dict[str, float]:
 
 
 def _seconds(iso: str, t0: Any) -> float:
-    from datetime import datetime
-
     return (datetime.fromisoformat(iso) - t0).total_seconds()

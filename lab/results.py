@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,17 +62,14 @@ def summarise(cluster: Cluster, lab: LabSettings, wall_s: float) -> dict[str, An
     scale_actions = sum(1 for line in cluster.log if line.action == "autoscaling_decision")
     switches = sum(1 for line in cluster.log if line.action == "routing_switch")
     objective = float(np.mean([s.objective for s in cluster.samples])) if cluster.samples else 0.0
-    by_backend: dict[str, int] = {}
-    for s in answered:
-        by_backend[s.backend or "-"] = by_backend.get(s.backend or "-", 0) + 1
     return {
         "policy": cluster.alias.autoscaling_policy.name,
         "engines": {b.value: m.engine for b, m in cluster.tiers.items()},
         "requests": len(served),
         "answered": len(answered),
         "lost": len(served) - len(answered),
-        "lost_reasons": _count(s.lost for s in served if s.lost),
-        "served_by": by_backend,
+        "lost_reasons": dict(Counter(s.lost for s in served if s.lost)),
+        "served_by": dict(Counter(s.backend or "-" for s in answered)),
         "ttft_s": _percentiles(ttft),
         "e2e_s": _percentiles(e2e),
         "slo_attainment": round(met / len(served), 4) if served else None,
@@ -87,9 +85,3 @@ def summarise(cluster: Cluster, lab: LabSettings, wall_s: float) -> dict[str, An
         "wall_s": round(wall_s, 2),
     }
 
-
-def _count(reasons: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r in reasons:
-        out[r] = out.get(r, 0) + 1
-    return out

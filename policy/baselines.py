@@ -16,7 +16,8 @@ from datetime import datetime
 
 from policy.census import TierCensus
 from policy.load import Load
-from policy.replicas import Count, ReplicaPolicy, fmt, served_inflight
+from policy.replicas import Count, ReplicaPolicy, served_inflight
+from policy.text import fmt
 from shared.contracts.backends import BackendType
 from shared.contracts.config import LatencyConfig, PeriodicConfig, UtilizationConfig
 from shared.contracts.control import AliasSnapshot

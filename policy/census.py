@@ -36,8 +36,6 @@ class TierCensus:
     """Awake, waking and starting: what the tier has, counting what is on its way."""
     by_role: dict[Role, int]
     """The supply by role, in a disaggregated tier (empty otherwise)."""
-    unseen_roles: tuple[Role | None, ...] = ()
-    """The roles of the unseen starts."""
 
 
 def _by_role(counted: Iterable[InstanceView], unseen: Iterable[Role | None]) -> dict[Role, int]:
@@ -73,4 +71,4 @@ def census(s: AliasSnapshot, backend: BackendType) -> TierCensus:
     unseen = tuple(p.role for p in s.pending
                    if p.action is Action.START and p.backend is backend and p.instance_id not in known)
     return TierCensus(tuple(awake), tuple(waking), tuple(asleep), len(unseen), frozenset(busy),
-                      len(awake) + len(waking) + len(unseen), _by_role((*awake, *waking), unseen), unseen)
+                      len(awake) + len(waking) + len(unseen), _by_role((*awake, *waking), unseen))

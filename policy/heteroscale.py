@@ -26,7 +26,8 @@ from datetime import datetime
 
 from policy.census import TierCensus
 from policy.load import Load
-from policy.replicas import D, P, Count, ReplicaPolicy, fmt, grown, nearest
+from policy.replicas import Count, D, P, ReplicaPolicy, grown, nearest
+from policy.text import fmt
 from shared.contracts.backends import BackendType
 from shared.contracts.config import HeteroScaleConfig
 from shared.contracts.control import AliasSnapshot

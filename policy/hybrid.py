@@ -36,6 +36,7 @@ from policy.base import DELETE_AT_ONCE, RELEASE_AT_ONCE, Ladder, Pacing, Proposa
 from policy.capacity import c_down, c_eff, c_prepare, c_up, c_vllm_estimate, l_target
 from policy.coldstart import first_serving
 from policy.load import Load, load_of
+from policy.text import fmt
 from shared.contracts.backends import BackendType
 from shared.contracts.config import PolicySettings
 from shared.contracts.control import (
@@ -115,14 +116,6 @@ def _slow_pacing(up_cooldown_s: float) -> Pacing:
 
 def _seconds(delta: timedelta) -> float:
     return delta.total_seconds()
-
-
-def _fmt(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, int) or value.is_integer():  # most loads are whole numbers: skip the formatting
-        return str(int(value))
-    return f"{value:.2f}".rstrip("0").rstrip(".")
 
 
 @dataclass(slots=True)
@@ -211,14 +204,14 @@ class HybridPolicy:
         fast, total, queue, e2e = cls._up_signals(load, cap, cfg)
         reasons = []
         if fast:
-            queued = f" + {_fmt(load.queued)} waiting" if load.queued else ""
-            reasons.append(f"inflight_fast {_fmt(load.inflight_fast)}{queued} >= C_up {cap.c_up}")
+            queued = f" + {fmt(load.queued)} waiting" if load.queued else ""
+            reasons.append(f"inflight_fast {fmt(load.inflight_fast)}{queued} >= C_up {cap.c_up}")
         if total:
-            reasons.append(f"inflight_total {_fmt(load.total)} >= C_prepare {cap.c_prepare}")
+            reasons.append(f"inflight_total {fmt(load.total)} >= C_prepare {cap.c_prepare}")
         if queue:
-            reasons.append(f"queue_wait_p95 {_fmt(load.queue_wait_p95)} s > {_fmt(cfg.HYBRID_QUEUE_SLA_S)} s")
+            reasons.append(f"queue_wait_p95 {fmt(load.queue_wait_p95)} s > {fmt(cfg.HYBRID_QUEUE_SLA_S)} s")
         if e2e:
-            reasons.append(f"e2e_p95_fast {_fmt(load.e2e_p95_fast)} s > {_fmt(cfg.HYBRID_E2E_SLA_S)} s")
+            reasons.append(f"e2e_p95_fast {fmt(load.e2e_p95_fast)} s > {fmt(cfg.HYBRID_E2E_SLA_S)} s")
         return reasons
 
     @staticmethod
@@ -269,7 +262,7 @@ class HybridPolicy:
             cold_at = memory.idle_since + timedelta(seconds=cfg.HYBRID_COLD_IDLE_S)
             if now >= cold_at:
                 return _Step(evolve(memory, up_windows=0), R.COLD,
-                             f"no request for {_fmt(_seconds(now - memory.idle_since))} s and min_replicas 0")
+                             f"no request for {fmt(_seconds(now - memory.idle_since))} s and min_replicas 0")
             outlook.append(NextStep("COLD if no request comes", cold_at))
         return _Step(memory, outlook=tuple(outlook))
 
@@ -290,7 +283,7 @@ class HybridPolicy:
                          f"vLLM {ready[0].instance_id} healthy in {probes} consecutive probes; "
                          f"{cfg.HYBRID_MIX_WEIGHTS[0]} % of traffic to vLLM")
         if now > timeout_at:
-            return self._degrade(memory, now, f"vLLM not ready after {_fmt(cfg.HYBRID_VLLM_WARM_TIMEOUT_S)} s "
+            return self._degrade(memory, now, f"vLLM not ready after {fmt(cfg.HYBRID_VLLM_WARM_TIMEOUT_S)} s "
                                               f"(HYBRID_VLLM_WARM_TIMEOUT_S)")
         return _Step(memory, outlook=(
             NextStep(f"MIXED after {cfg.HYBRID_READY_PROBES - probes} more healthy probe(s) of vLLM"),
@@ -314,13 +307,13 @@ class HybridPolicy:
             if memory.mix_step_since != step_since:
                 memory = evolve(memory, mix_step_since=step_since)
             return _Step(memory, outlook=(NextStep(note, max(now, next_at)),))
-        ready = f"vLLM healthy, e2e_p95 {_fmt(load.e2e_p95_slow)} s <= {_fmt(cfg.HYBRID_E2E_SLA_S)} s"
+        ready = f"vLLM healthy, e2e_p95 {fmt(load.e2e_p95_slow)} s <= {fmt(cfg.HYBRID_E2E_SLA_S)} s"
         if upcoming:
             change = MixChange(weight, upcoming[0], f"held {int(round(weight * 100))} % for "
-                                                    f"{_fmt(_seconds(now - step_since))} s, {ready}")
+                                                    f"{fmt(_seconds(now - step_since))} s, {ready}")
             return _Step(evolve(memory, mix_step_since=now), mix=change)
         return _Step(evolve(memory, mix_step_since=None, low_load_since=None), R.VLLM_PRIMARY,
-                     f"ramp complete at 100 % and held {_fmt(_seconds(now - step_since))} s, {ready}")
+                     f"ramp complete at 100 % and held {fmt(_seconds(now - step_since))} s, {ready}")
 
     def _vllm_primary(self, t: _Tick, memory: HybridState) -> _Step:
         s, now, load, cap = t.s, t.now, t.load, t.cap
@@ -338,13 +331,13 @@ class HybridPolicy:
         if not hybrid and not s.of(SLOW) and not load.busy:
             return _Step(evolve(memory, low_load_since=None), R.COLD, "no vLLM instance left and no request (no fast tier)")
         if low_since is None:
-            return _Step(memory, outlook=(NextStep(f"FAST_ONLY after {_fmt(cfg.HYBRID_DOWN_HOLD_S)} s "
+            return _Step(memory, outlook=(NextStep(f"FAST_ONLY after {fmt(cfg.HYBRID_DOWN_HOLD_S)} s "
                                                    f"of inflight_total < {threshold}"),))
         down_at = low_since + timedelta(seconds=cfg.HYBRID_DOWN_HOLD_S)
         if hybrid and now >= down_at and load.inflight_slow == 0:
             return _Step(evolve(memory, low_load_since=None), R.FAST_ONLY,
-                         f"inflight_total {_fmt(load.total)} < {threshold} (min(C_down, C_prepare)) for "
-                         f"{_fmt(_seconds(now - low_since))} s and vLLM idle")
+                         f"inflight_total {fmt(load.total)} < {threshold} (min(C_down, C_prepare)) for "
+                         f"{fmt(_seconds(now - low_since))} s and vLLM idle")
         what = "FAST_ONLY if load stays low and vLLM is idle" if hybrid else "vLLM idle: may sleep"
         return _Step(memory, outlook=(NextStep(what, down_at),))
 
@@ -359,10 +352,10 @@ class HybridPolicy:
             return _Step(memory, outlook=(NextStep("retry vLLM (WARMING_VLLM) if load still calls for it", retry_at),))
         if memory.up_windows >= cfg.HYBRID_UP_CONSECUTIVE:
             return _Step(evolve(memory, degraded_at=None, degraded_reason="", warming_since=now, ready_probes=0),
-                         R.WARMING_VLLM, f"retry window of {_fmt(cfg.HYBRID_RETRY_S)} s reached and load still calls "
+                         R.WARMING_VLLM, f"retry window of {fmt(cfg.HYBRID_RETRY_S)} s reached and load still calls "
                                          f"for vLLM: {'; '.join(self._up_reasons(t.load, t.cap, cfg))}")
         return _Step(evolve(memory, degraded_at=None, degraded_reason=""), R.FAST_ONLY,
-                     f"retry window of {_fmt(cfg.HYBRID_RETRY_S)} s reached; load no longer calls for vLLM")
+                     f"retry window of {fmt(cfg.HYBRID_RETRY_S)} s reached; load no longer calls for vLLM")
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -380,7 +373,7 @@ class HybridPolicy:
         if load.slow_failures:
             return f"{load.slow_failures} vLLM error(s) in the window"
         if load.e2e_p95_slow is not None and load.e2e_p95_slow > cfg.HYBRID_E2E_SLA_S:
-            return f"vLLM e2e_p95 {_fmt(load.e2e_p95_slow)} s > {_fmt(cfg.HYBRID_E2E_SLA_S)} s"
+            return f"vLLM e2e_p95 {fmt(load.e2e_p95_slow)} s > {fmt(cfg.HYBRID_E2E_SLA_S)} s"
         return None
 
     @staticmethod
@@ -417,7 +410,7 @@ class HybridPolicy:
                 # What vLLM takes: its effective capacity, but never more than its share of the traffic.
                 taken = min(sum(c_eff(cfg.HYBRID_ALPHA, i.capacity or cap.c_vllm) for i in serving), weight * load.total)
                 n = l_target(floor, load.total, taken, cap.c_l)
-                reason = f"L_target = max({floor}, ceil(max(0, {_fmt(load.total)} - C_eff {_fmt(taken)}) / C_l {cap.c_l})) = {n}"
+                reason = f"L_target = max({floor}, ceil(max(0, {fmt(load.total)} - C_eff {fmt(taken)}) / C_l {cap.c_l})) = {n}"
                 if state in (R.WARMING_VLLM, R.MIXED):
                     # §5.3: the buffer is reclaimed once vLLM is primary, not while traffic is still moving.
                     awake = sum(1 for i in s.of(FAST) if i.state in (InstanceState.RUNNING, InstanceState.STARTING))
@@ -434,9 +427,9 @@ class HybridPolicy:
             awake = sum(1 for i in s.of(SLOW) if i.state in (InstanceState.RUNNING, InstanceState.STARTING))
             keep = min(awake, max(1, math.ceil(total / cap.c_down)))
             needed = max(up, keep)
-            sizing = f"ceil({_fmt(load.total)} / C_up {cap.c_up}) = {up}, at least 1"
+            sizing = f"ceil({fmt(load.total)} / C_up {cap.c_up}) = {up}, at least 1"
             if keep > up:
-                sizing += f"; {keep} kept while ceil({_fmt(load.total)} / C_down {cap.c_down}) >= {keep}"
+                sizing += f"; {keep} kept while ceil({fmt(load.total)} / C_down {cap.c_down}) >= {keep}"
             if state in (R.WARMING_VLLM, R.MIXED) or (state is R.VLLM_PRIMARY and self._hybrid(s)):
                 wishes[SLOW] = Wish(needed, f"{state.value}: {sizing}", slow_ladder, slow)
             elif state is R.VLLM_PRIMARY:  # no fast tier: vLLM serves alone, and may rest when idle for long

@@ -18,6 +18,7 @@ snapshot; this module does the rest the same way for all of them:
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Generic, TypeVar
@@ -52,25 +53,20 @@ def scaled_backend(config: AliasConfig, chosen: BackendType | None) -> BackendTy
     return BackendType.VLLM if BackendType.VLLM in config.backends else BackendType.LLAMA_CPP
 
 
-def fmt(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return str(int(value)) if float(value).is_integer() else f"{value:.3f}".rstrip("0").rstrip(".")
-
-
 def served_inflight(load: Load, backend: BackendType) -> float:
     """Requests on the scaled tier or waiting for a slot on it (the only tier these policies route)."""
     return (load.inflight_slow if backend is BackendType.VLLM else load.inflight_fast) + load.queued
 
 
-class ReplicaPolicy(Generic[C]):
+class ReplicaPolicy(ABC, Generic[C]):
     name: str
     version = 1
     config_type: type[C]
 
+    @abstractmethod
     def count(self, s: AliasSnapshot, cfg: C, backend: BackendType, load: Load, c: TierCensus,
               now: datetime) -> Count:
-        raise NotImplementedError
+        """The instances the scaled tier should have now, and why."""
 
     def propose(self, s: AliasSnapshot, now: datetime, new_window: bool) -> Proposal:
         cfg = s.config.autoscaling_policy
