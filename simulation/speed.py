@@ -86,20 +86,30 @@ def measure_sim_speed(
     }
 
 
-def running_curve_point(running: int, seconds: float = 0.5) -> dict[str, float]:
-    """Batches/s and decode tokens/s with `running` requests decoding in every batch."""
-    params = SystemParams(M_total=running * 200_000, B=running + 1, d_0=0.01, d_1=0.0001)
+def running_curve_point(running: int, seconds: float = 0.5, decode_tokens: int = 100_000) -> dict[str, float]:
+    """Batches/s and decode tokens/s with `running` requests decoding in every batch.
+
+    A request that completes is replaced at once, so the batch stays `running` wide however
+    fast the machine steps through `decode_tokens`.
+    """
+    params = SystemParams(M_total=running * (decode_tokens + 200), B=running + 1, d_0=0.01, d_1=0.0001)
     system = DecodeSystem(params)
-    for k in range(running):
-        system.add(SimRequest(str(k), 0.0, 100, 100_000))
+    added = 0
+    for _ in range(running):
+        system.add(SimRequest(str(added), 0.0, 100, decode_tokens))
+        added += 1
     t = 0.0
     batches = tokens = 0
     start = time.perf_counter()
     deadline = start + seconds
     while time.perf_counter() < deadline:
         res = system.step(t)
+        assert res is not None, "every completed request was replaced: the system is never idle"
         t = res.end_time
         batches += 1
         tokens += len(res.decoded)
+        for _ in res.completed:
+            system.add(SimRequest(str(added), t, 100, decode_tokens))
+            added += 1
     wall = time.perf_counter() - start
     return {"running": running, "batches_per_s": batches / wall, "tokens_per_s": tokens / wall}

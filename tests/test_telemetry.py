@@ -115,9 +115,20 @@ async def test_heartbeats_keep_the_latest_per_worker_and_are_watched(telemetry_b
     assert latest["w1"].instances[0].inflight_requests == 4
 
 
+async def test_a_bucket_a_restarted_server_lost_is_declared_again_by_the_next_put(telemetry_bus, bus):
+    await telemetry_bus.put_heartbeat(heartbeat("w1", T0))
+    await bus.js.delete_key_value(bus.subjects.heartbeats_bucket)  # as a NATS restarted without its memory
+    await telemetry_bus.put_heartbeat(heartbeat("w1", T0 + timedelta(seconds=1), inflight=2))
+    latest = await telemetry_bus.heartbeat_of("w1")
+    assert latest is not None and latest.instances[0].inflight_requests == 2
+    assert await telemetry_bus.heartbeat_of("w-unknown") is None
+
+
 async def test_windows_are_followed_from_each_gateways_latest_and_read_back_by_time(telemetry_bus):
+    # Windows of a few minutes ago: the stream keeps a day, and reading back filters on their end times.
+    t0 = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(minutes=5)
     for n in range(3):
-        start = T0 + timedelta(seconds=2 * n)
+        start = t0 + timedelta(seconds=2 * n)
         for gw in ("g1", "g2"):
             await telemetry_bus.publish_window(GatewayWindow(gateway_id=gw, alias="a", window_start=start,
                                                              window_end=start + timedelta(seconds=2), arrivals=n))
@@ -126,7 +137,7 @@ async def test_windows_are_followed_from_each_gateways_latest_and_read_back_by_t
     follower = asyncio.create_task(telemetry_bus.follow_windows(got.append, stop))
     await eventually(lambda: len(got) == 2)
     assert {(w.gateway_id, w.arrivals) for w in got} == {("g1", 2), ("g2", 2)}
-    await telemetry_bus.publish_window(GatewayWindow(gateway_id="g1", alias="b", window_start=T0, window_end=T0, arrivals=9))
+    await telemetry_bus.publish_window(GatewayWindow(gateway_id="g1", alias="b", window_start=t0, window_end=t0, arrivals=9))
     await eventually(lambda: len(got) == 3)
     stop.set()
     await follower
