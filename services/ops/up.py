@@ -5,7 +5,8 @@ starts embedded ones under the data directory; applies the migrations; starts
 every service as a child process with its output prefixed by its name; and on
 Ctrl-C or SIGTERM stops the services (SIGTERM, then SIGKILL after the stop
 timeout), then the embedded servers, and exits 0 with nothing left running.
-If a service dies on its own, the rest is stopped and the exit code is 1.
+A service or embedded server that dies on its own is started again after a
+backoff; one that keeps dying (a crash loop) stops everything, exit code 1.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TextIO
 
@@ -32,11 +36,14 @@ from services.ops.embedded import (
     LOCALHOST,
     EmbeddedNats,
     EmbeddedPostgres,
+    EmbeddedServer,
     EmbeddedServerError,
     descendants_of,
     is_alive,
+    log_tail,
     spawn,
 )
+from services.processes import processes_with_marker
 
 # Start order: the relay first so no committed event waits for a bus
 # publisher, then the projector that keeps the read models; the gateway last
@@ -76,6 +83,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--namespace", default=None, help="bus and schema namespace (sets MODELPOOL_NAMESPACE)")
     parser.add_argument("--services", default=",".join(SERVICES), help=f"comma-separated services to start (default: {','.join(SERVICES)})")
     parser.add_argument("--stop-timeout", type=float, default=10.0, help="seconds services get to exit after SIGTERM before SIGKILL (default: 10)")
+    parser.add_argument(
+        "--restart-limit",
+        type=int,
+        default=env.get("MODELPOOL_RESTART_LIMIT", "5"),
+        help="restarts of one service or embedded server allowed within --restart-window; one more exit stops the cluster (default: 5; 0: never restart)",
+    )
+    parser.add_argument(
+        "--restart-window",
+        type=float,
+        default=env.get("MODELPOOL_RESTART_WINDOW_S", "120"),
+        help="seconds over which --restart-limit counts a process's exits (default: 120)",
+    )
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.services.split(",") if name.strip()]
     unknown = sorted(set(names) - set(SERVICES))
@@ -84,6 +103,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.services = names
     if not 0 < args.gateway_port < 65536:
         parser.error(f"--gateway-port: {args.gateway_port} is not a TCP port")
+    if args.restart_limit < 0 or not args.restart_window > 0:
+        parser.error("--restart-limit must be 0 or more and --restart-window more than 0")
     return args
 
 
@@ -122,6 +143,45 @@ class ShutdownRequest:
 
 
 # ---------------------------------------------------------------------------
+# restarts: when to start a process again, as pure bookkeeping
+
+
+@dataclass(frozen=True)
+class RestartRules:
+    """When a process that exited on its own starts again, and when `up` gives up on it."""
+
+    limit: int = 5
+    """Restarts allowed within `window_s`; one more exit in the window is a crash loop."""
+    window_s: float = 120.0
+    first_delay_s: float = 1.0
+    """The wait before a restart: this, doubled after each quick exit, at most `max_delay_s`."""
+    max_delay_s: float = 30.0
+    stable_after_s: float = 60.0
+    """A process that ran this long before it exited waits `first_delay_s` again."""
+
+
+@dataclass(frozen=True)
+class Restarts:
+    """One process's restarts so far: all the next decision needs."""
+
+    count: int = 0
+    delay_s: float = 0.0
+    """The wait before the latest restart; 0 before the first."""
+    exits: tuple[float, ...] = ()
+    """When it exited, within the last window."""
+
+
+def after_exit(rules: RestartRules, restarts: Restarts, started_at: float, exited_at: float) -> Restarts | None:
+    """`restarts` with this exit counted, its `delay_s` the wait before starting again; None: a crash loop."""
+    exits = (*(t for t in restarts.exits if exited_at - t < rules.window_s), exited_at)
+    if len(exits) > rules.limit:
+        return None
+    quick = restarts.delay_s > 0 and exited_at - started_at < rules.stable_after_s
+    delay = min(2 * restarts.delay_s, rules.max_delay_s) if quick else rules.first_delay_s
+    return Restarts(restarts.count + 1, delay, exits)
+
+
+# ---------------------------------------------------------------------------
 # children
 
 
@@ -140,23 +200,96 @@ class Output:
             except (OSError, ValueError):  # the terminal went away; keep running
                 pass
 
-    def forward(self, prefix: str, pipe: IO[bytes]) -> threading.Thread:
+    def forward(self, prefix: str, pipe: IO[bytes], recent: deque[str]) -> threading.Thread:
+        """Copy `pipe` line by line, prefixed, until it closes; `recent` keeps the last lines."""
+
         def pump() -> None:
             with pipe:
                 for raw in iter(pipe.readline, b""):
-                    self.line(prefix, raw.decode("utf-8", "replace").rstrip("\r\n"))
+                    text = raw.decode("utf-8", "replace").rstrip("\r\n")
+                    recent.append(text)
+                    self.line(prefix, text)
 
         thread = threading.Thread(target=pump, name=f"output-{prefix}", daemon=True)
         thread.start()
         return thread
 
 
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    pump: threading.Thread
-    descendants: set[int] = field(default_factory=set)
+class Watched(ABC):
+    """A process `up` keeps running: a service, or an embedded server it started."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.started_at = time.monotonic()
+        self.restarts = Restarts()
+        self.restart_at: float | None = None
+        """Once it exited: when it is due to start again."""
+
+    @property
+    @abstractmethod
+    def returncode(self) -> int | None:
+        """How it ended (negative: killed by that signal); None while it runs."""
+
+    @abstractmethod
+    def start_again(self) -> str:
+        """Start it again the way it was first started; returns what to tell the operator."""
+
+    @abstractmethod
+    def output_tail(self) -> str:
+        """The end of its output, to show why it keeps exiting."""
+
+
+# Lines of a service's output kept to show when it keeps exiting.
+OUTPUT_TAIL_LINES = 20
+
+
+class Child(Watched):
+    """A service process: in its own session, tied to `up` by the parent-death signal."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], output: Output) -> None:
+        super().__init__(name)
+        self.argv = argv
+        self.env = env
+        self.output = output
+        self.recent_output: deque[str] = deque(maxlen=OUTPUT_TAIL_LINES)
+        self.descendants: set[int] = set()
+        self.proc, self.pump = self._spawn()
+
+    def _spawn(self) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+        proc = spawn(self.argv, output=subprocess.PIPE, death_signal=signal.SIGTERM, env=self.env)
+        assert proc.stdout is not None
+        return proc, self.output.forward(self.name, proc.stdout, self.recent_output)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def start_again(self) -> str:
+        self.proc, self.pump = self._spawn()
+        return f"{self.name} started again (pid {self.proc.pid})"
+
+    def output_tail(self) -> str:
+        self.pump.join(timeout=2.0)  # its last lines may still be in the pipe
+        return "\n".join(self.recent_output) or "(no output)"
+
+
+class WatchedServer(Watched):
+    """An embedded server `up` started: restarted on the same port and data, where the services look for it."""
+
+    def __init__(self, name: str, server: EmbeddedServer) -> None:
+        super().__init__(name)
+        self.server = server
+
+    @property
+    def returncode(self) -> int | None:
+        return self.server.returncode
+
+    def start_again(self) -> str:
+        self.server.start()
+        return f"{self.name} is back on {redact(self.server.url)}"
+
+    def output_tail(self) -> str:
+        return f"({self.server.log_path})\n{log_tail(self.server.log_path, limit=2000)}"
 
 
 class Children:
@@ -165,13 +298,11 @@ class Children:
     def __init__(self, output: Output, stop_timeout_s: float) -> None:
         self.output = output
         self.stop_timeout_s = stop_timeout_s
-        self.running: list[Child] = []
+        self.started: list[Child] = []
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
-        proc = spawn(argv, output=subprocess.PIPE, death_signal=signal.SIGTERM, env=env)
-        assert proc.stdout is not None
-        child = Child(name, proc, self.output.forward(name, proc.stdout))
-        self.running.append(child)
+        child = Child(name, argv, env, self.output)
+        self.started.append(child)
         return child
 
     def run(self, name: str, argv: list[str], env: dict[str, str]) -> int:
@@ -179,15 +310,12 @@ class Children:
         child = self.start(name, argv, env)
         code = child.proc.wait()
         child.pump.join(timeout=2.0)
-        self.running.remove(child)
+        self.started.remove(child)
         return code
-
-    def first_exited(self) -> Child | None:
-        return next((child for child in self.running if child.proc.poll() is not None), None)
 
     def stop_all(self) -> None:
         """SIGTERM every child's process group at once; SIGKILL what outlives the timeout."""
-        live = [child for child in self.running if child.proc.poll() is None]
+        live = [child for child in self.started if child.proc.poll() is None]
         for child in live:
             child.descendants = set(descendants_of(child.proc.pid))
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -207,23 +335,7 @@ class Children:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signal.SIGKILL)
             child.pump.join(timeout=2.0)
-        self.running.clear()
-
-
-def processes_with_marker(marker: str) -> list[int]:
-    """Pids whose environment carries `marker` (readable only for our own processes)."""
-    needle = marker.encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
+        self.started.clear()
 
 
 def sweep(marker: str, output: Output) -> None:
@@ -271,26 +383,40 @@ def redact(url: str) -> str:
     return f"{scheme}://{credentials.split(':', 1)[0]}:***@{location}"
 
 
+@dataclass
+class BackingServers:
+    """Where the cluster's NATS and Postgres are, and those of them `up` started (and watches)."""
+
+    nats_url: str
+    database_url: str
+    nats_origin: str
+    postgres_origin: str
+    embedded: list[WatchedServer]
+
+
 @contextlib.contextmanager
-def backing_servers(args: argparse.Namespace, env: dict[str, str], output: Output) -> Iterator[tuple[str, str, str, str]]:
-    """(nats_url, database_url, nats_origin, postgres_origin), external when named, else embedded."""
+def backing_servers(args: argparse.Namespace, env: dict[str, str], output: Output) -> Iterator[BackingServers]:
+    """The servers named by NATS_URL / DATABASE_URL, else embedded ones, stopped on exit."""
     with contextlib.ExitStack() as stack:
         data_dir = args.data_dir.absolute()
+        embedded = []
         if env.get("NATS_URL"):
             nats_url, nats_origin = env["NATS_URL"], "external (NATS_URL)"
         else:
             output.line("up", f"starting NATS JetStream (data in {data_dir / 'nats'})")
             nats = stack.enter_context(EmbeddedNats(data_dir / "nats", args.nats_port))
             nats_url, nats_origin = nats.url, f"embedded, pid {nats.pid}, log {nats.log_path}"
+            embedded.append(WatchedServer("NATS", nats))
         if env.get("DATABASE_URL"):
             database_url, pg_origin = env["DATABASE_URL"], "external (DATABASE_URL)"
         else:
             output.line("up", f"starting PostgreSQL 16 (data in {data_dir / 'postgres'})")
             postgres = stack.enter_context(EmbeddedPostgres(data_dir / "postgres", args.postgres_port))
             database_url, pg_origin = postgres.url, f"embedded, pid {postgres.pid}, log {postgres.log_path}"
-        if not (env.get("NATS_URL") and env.get("DATABASE_URL")):
+            embedded.append(WatchedServer("Postgres", postgres))
+        if embedded:
             stack.callback(output.line, "up", "stopping the embedded servers")
-        yield nats_url, database_url, nats_origin, pg_origin
+        yield BackingServers(nats_url, database_url, nats_origin, pg_origin, embedded)
 
 
 def service_argv(name: str) -> list[str]:
@@ -321,13 +447,13 @@ def engine_lines(env: dict[str, str]) -> list[str]:
     return lines or [f"aliases   none in {path}"]
 
 
-def banner(args: argparse.Namespace, nats: tuple[str, str], postgres: tuple[str, str], env: dict[str, str]) -> str:
+def banner(args: argparse.Namespace, servers: BackingServers, env: dict[str, str]) -> str:
     gateway = f"http://{LOCALHOST}:{args.gateway_port}/v1"
     lines = [
         "modelpool is starting:",
         f"  gateway   {gateway}   (OpenAI-compatible; health at http://{LOCALHOST}:{args.gateway_port}/health)",
-        f"  NATS      {redact(nats[0])}   ({nats[1]})",
-        f"  Postgres  {redact(postgres[0])}   ({postgres[1]})",
+        f"  NATS      {redact(servers.nats_url)}   ({servers.nats_origin})",
+        f"  Postgres  {redact(servers.database_url)}   ({servers.postgres_origin})",
         f"  services  {', '.join(args.services)}",
         *(f"  {line}" for line in engine_lines(env)),
         f"  worker    offers {env['MODELPOOL_WORKER_GPU_MEMORY_GB']} GB of GPU memory"
@@ -352,14 +478,36 @@ def announce_cluster(directory: Path, env: dict[str, str]) -> Path:
     return path
 
 
-def supervise(children: Children, shutdown: ShutdownRequest, output: Output, health_url: str | None) -> int:
-    """Wait for a stop signal (exit 0) or a service dying on its own (exit 1)."""
+def keep_running(process: Watched, rules: RestartRules, output: Output) -> bool:
+    """Notice that `process` exited, or start it again when due; False: it is crash-looping."""
+    now = time.monotonic()
+    if process.restart_at is None:
+        code = process.returncode
+        if code is None:
+            return True
+        restarts = after_exit(rules, process.restarts, process.started_at, now)
+        if restarts is None:
+            exits = f"{rules.limit + 1} exits" if rules.limit else "1 exit"
+            output.line("up", f"{process.name} exited with code {code}, {exits} within {rules.window_s:g} s (--restart-limit {rules.limit}): "
+                        "a crash loop; stopping the cluster. The end of its output:\n" + textwrap.indent(process.output_tail(), "    "))
+            return False
+        process.restarts, process.restart_at = restarts, now + restarts.delay_s
+        output.line("up", f"{process.name} exited with code {code}; restarting it in {restarts.delay_s:g} s (restart {restarts.count})")
+    elif now >= process.restart_at:
+        process.restart_at, process.started_at = None, now
+        try:
+            output.line("up", process.start_again())
+        except EmbeddedServerError as exc:  # counted as an exit on the next pass
+            output.line("up", f"{process.name} did not start again: {str(exc).splitlines()[0]}")
+    return True
+
+
+def supervise(watched: list[Watched], rules: RestartRules, shutdown: ShutdownRequest, output: Output, health_url: str | None) -> int:
+    """Keep every process running until a stop signal (exit 0) or a crash loop (exit 1)."""
     healthy = health_url is None
     next_probe = 0.0
     while not shutdown.event.is_set():
-        dead = children.first_exited()
-        if dead is not None:
-            output.line("up", f"{dead.name} exited unexpectedly with code {dead.proc.returncode}; stopping the cluster")
+        if not all(keep_running(process, rules, output) for process in watched):
             return 1
         if not healthy and time.monotonic() >= next_probe:
             healthy = http_ok(health_url)  # type: ignore[arg-type]
@@ -379,11 +527,11 @@ def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> 
         if "gateway" in args.services and not port_is_free(args.gateway_port):
             output.line("up", f"gateway port {args.gateway_port} is in use; choose another with --gateway-port")
             return 1
-        with backing_servers(args, env, output) as (nats_url, database_url, nats_origin, pg_origin):
+        with backing_servers(args, env, output) as servers:
             key, value = marker.split("=", 1)
             env.update({
-                "NATS_URL": nats_url,
-                "DATABASE_URL": database_url,
+                "NATS_URL": servers.nats_url,
+                "DATABASE_URL": servers.database_url,
                 "MODELPOOL_GATEWAY_PORT": str(args.gateway_port),
                 "PYTHONUNBUFFERED": "1",
                 key: value,
@@ -405,10 +553,11 @@ def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> 
                     return 1
                 for name in args.services:
                     children.start(name, service_argv(name), env)
-                output.line("up", banner(args, (nats_url, nats_origin), (database_url, pg_origin), env))
+                output.line("up", banner(args, servers, env))
                 shutdown.starting = False
                 health = f"http://{LOCALHOST}:{args.gateway_port}/health" if "gateway" in args.services else None
-                code = supervise(children, shutdown, output, health)
+                rules = RestartRules(limit=args.restart_limit, window_s=args.restart_window)
+                code = supervise([*servers.embedded, *children.started], rules, shutdown, output, health)
             except Interrupted:
                 code = 0
             finally:

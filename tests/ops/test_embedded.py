@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -162,3 +163,46 @@ def test_a_port_taken_after_it_was_picked_is_replaced_by_another(tmp_path: Path,
         with pytest.raises(EmbeddedServerError, match="already in use"):
             EmbeddedNats(tmp_path / "nats", port=taken).start()
     assert pids_mentioning(tmp_path) == []
+
+
+async def test_a_killed_nats_starts_again_on_its_port_and_store(tmp_path: Path) -> None:
+    with EmbeddedNats(tmp_path / "nats") as server:
+        url, pid = server.url, server.pid
+        assert pid is not None
+        await _publish_and_count(url, "RESTARTED", "restarted.test", publish=True)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while server.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server.running and server.returncode == -signal.SIGKILL
+
+        server.start()
+        assert server.running and server.url == url
+        _, messages = await _publish_and_count(url, "RESTARTED", "restarted.test", publish=False)
+        assert messages == 1
+        assert "jetstream" in server.log_path.read_text().lower()  # the log of the first run is kept
+    assert pids_mentioning(tmp_path / "nats") == []
+
+
+async def test_a_killed_postgres_starts_again_on_its_port_despite_a_stuck_backend(data_dir: Path) -> None:
+    with EmbeddedPostgres(data_dir / "postgres", database="embedded_test") as server:
+        url, postmaster = server.url, server.pid
+        assert postmaster is not None
+        conn = await asyncpg.connect(url)
+        await conn.execute("CREATE TABLE IF NOT EXISTS restarted AS SELECT 'kept' AS v")
+        # A backend that cannot exit when its postmaster dies keeps the old shared memory
+        # attached, which makes a new postmaster refuse to start until it is gone.
+        stuck = await conn.fetchval("SELECT pg_backend_pid()")
+        os.kill(stuck, signal.SIGSTOP)
+        os.kill(postmaster, signal.SIGKILL)
+        assert wait_gone([postmaster]) == [] and alive(stuck)
+        conn.terminate()
+
+        server.start()
+        assert server.url == url and server.pid != postmaster and not alive(stuck)
+        conn = await asyncpg.connect(url)
+        try:
+            assert await conn.fetchval("SELECT v FROM restarted") == "kept"
+        finally:
+            await conn.close()
+    assert pids_mentioning(data_dir / "postgres") == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -15,8 +16,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import asyncpg
+import nats
 import pytest
-from ops_processes import cmdline, descendants, pids_mentioning, wait_gone
+from ops_processes import alive, cmdline, descendants, pids_mentioning, wait_gone
 
 from services.ops import up
 from services.ops.embedded import EmbeddedNats, EmbeddedPostgres
@@ -61,6 +64,16 @@ class Cluster:
         # A terminal's Ctrl-C goes to the foreground process group.
         os.killpg(self.proc.pid, signal.SIGINT)
 
+    def wait_for(self, text: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.output():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no {text!r} in the output of modelpool up:\n{self.output()}")
+            time.sleep(0.1)
+
+    def service_pid(self, name: str) -> int:
+        return next(pid for pid in self.processes() if cmdline(pid).endswith(f"services.cli {name}"))
+
     def wait_exit(self, timeout_s: float = 45.0) -> int:
         try:
             return self.proc.wait(timeout=timeout_s)
@@ -80,12 +93,12 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("up")
 
 
-def _start(data_dir: Path, log: Path, extra_env: dict[str, str] | None = None) -> Cluster:
+def _start(data_dir: Path, log: Path, extra_env: dict[str, str] | None = None, options: tuple[str, ...] = ()) -> Cluster:
     marker = uuid.uuid4().hex
     gateway_port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"NATS_URL", "DATABASE_URL", "MODELPOOL_GATEWAY_PORT"}}
     env.update({"MODELPOOL_TEST_RUN": marker, "PYTHONPATH": str(REPO), **(extra_env or {})})
-    argv = [sys.executable, "-m", "services.cli", "up", "--data-dir", str(data_dir), "--gateway-port", str(gateway_port)]
+    argv = [sys.executable, "-m", "services.cli", "up", "--data-dir", str(data_dir), "--gateway-port", str(gateway_port), *options]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     return Cluster(proc, log, f"MODELPOOL_TEST_RUN={marker}", gateway_port, data_dir)
@@ -167,18 +180,115 @@ def test_the_default_pool_serves_from_cold_and_operator_commands_find_the_cluste
     assert "no modelpool schema" in wrong.stderr
 
 
-def test_a_service_dying_stops_the_cluster_with_an_error(data_dir: Path, tmp_path: Path, started: list[Cluster]) -> None:
+def test_a_killed_service_is_restarted_and_ctrl_c_still_stops_everything(
+        data_dir: Path, tmp_path: Path, started: list[Cluster]) -> None:
     cluster = _start(data_dir, tmp_path / "up.log")
     started.append(cluster)
     cluster.wait_healthy()
-    running = cluster.processes()
-    worker = next(pid for pid in running if cmdline(pid).endswith("services.cli worker"))
+    killed = cluster.service_pid("autoscaler")
 
-    os.kill(worker, signal.SIGKILL)
-    assert cluster.wait_exit() != 0
-    assert "worker exited unexpectedly" in cluster.output()
-    assert wait_gone(running, timeout_s=5) == []
-    assert pids_mentioning(data_dir) == []
+    os.kill(killed, signal.SIGKILL)
+    cluster.wait_for("[up] autoscaler exited with code -9; restarting it in 1 s (restart 1)")
+    cluster.wait_for("[up] autoscaler started again (pid ")
+    restarted = cluster.service_pid("autoscaler")
+    assert restarted != killed and alive(restarted)
+    assert cluster.proc.poll() is None and cluster.health() == 200
+
+    running = cluster.processes()
+    cluster.ctrl_c()
+    assert cluster.wait_exit() == 0, cluster.output()
+    assert wait_gone(running, timeout_s=5) == [], cluster.output()
+    assert cluster.processes() == [] and pids_mentioning(data_dir) == []
+
+
+def test_a_crash_loop_stops_up_and_names_the_service(data_dir: Path, tmp_path: Path, started: list[Cluster]) -> None:
+    # A keys file the gateway cannot read: it exits with a configuration error every time it starts.
+    missing = tmp_path / "missing-keys.txt"
+    cluster = _start(data_dir, tmp_path / "up.log", {"MODELPOOL_API_KEYS_FILE": str(missing)},
+                     ("--services", "gateway", "--restart-limit", "1", "--restart-window", "60"))
+    started.append(cluster)
+
+    assert cluster.wait_exit(timeout_s=90) == 1, cluster.output()
+    text = cluster.output()
+    assert "[up] gateway exited with code 2; restarting it in 1 s (restart 1)" in text
+    assert "[up] gateway exited with code 2, 2 exits within 60 s (--restart-limit 1): a crash loop; stopping the cluster" in text
+    assert f"    modelpool gateway: configuration error: gateway.api_keys_file: cannot read {missing}" in text  # the tail
+    assert cluster.processes() == [] and pids_mentioning(data_dir) == []
+
+
+async def test_killed_embedded_servers_come_back_on_their_port_with_their_data(
+        data_dir: Path, tmp_path: Path, started: list[Cluster]) -> None:
+    cluster = _start(data_dir, tmp_path / "up.log", options=("--services", "relay,projector"))
+    started.append(cluster)
+    cluster.wait_for("modelpool is starting:", timeout_s=READY_TIMEOUT_S)
+    urls = json.loads((data_dir / "cluster.json").read_text())
+    nats_url, database_url = urls["nats_url"], urls["database_url"]
+    stream = f"UP_{uuid.uuid4().hex[:8]}"
+    table = f"up_{uuid.uuid4().hex[:8]}"
+    client = await nats.connect(nats_url)
+    await client.jetstream().add_stream(name=stream, subjects=[f"{stream}.>"])
+    await client.jetstream().publish(f"{stream}.kept", b"kept")
+    await client.close()
+    conn = await asyncpg.connect(database_url)
+    await conn.execute(f"CREATE TABLE {table} AS SELECT 'kept' AS v")
+    await conn.close()
+
+    nats_server = next(pid for pid in cluster.processes() if cmdline(pid).split(" ", 1)[0].endswith("nats-server"))
+    os.kill(nats_server, signal.SIGKILL)
+    cluster.wait_for("[up] NATS exited with code -9; restarting it in 1 s (restart 1)")
+    cluster.wait_for(f"[up] NATS is back on {nats_url}")
+    client = await nats.connect(nats_url)
+    assert (await client.jetstream().stream_info(stream)).state.messages == 1
+    await client.close()
+
+    postmaster = int((data_dir / "postgres" / "pgdata" / "postmaster.pid").read_text().split()[0])
+    os.kill(postmaster, signal.SIGKILL)
+    cluster.wait_for("[up] Postgres exited with code -9; restarting it in 1 s (restart 1)")
+    cluster.wait_for(f"[up] Postgres is back on {database_url}")
+    conn = await asyncpg.connect(database_url)
+    assert await conn.fetchval(f"SELECT v FROM {table}") == "kept"
+    await conn.execute(f"DROP TABLE {table}")
+    await conn.close()
+
+    # The services may have exited while a server was away and been restarted: up itself goes on.
+    assert cluster.proc.poll() is None
+    running = cluster.processes()  # the restarted servers (and Postgres' backends) among them
+    cluster.ctrl_c()
+    assert cluster.wait_exit() == 0, cluster.output()
+    assert wait_gone(running, timeout_s=5) == [], cluster.output()
+    assert cluster.processes() == [] and pids_mentioning(data_dir) == []
+
+
+def test_restarts_back_off_and_a_stable_run_resets_the_delay() -> None:
+    rules = up.RestartRules(limit=10, window_s=1000, first_delay_s=1, max_delay_s=8, stable_after_s=60)
+    restarts, now, delays = up.Restarts(), 0.0, []
+    for _ in range(5):  # each run lasts a second
+        restarts = up.after_exit(rules, restarts, started_at=now, exited_at=now + 1)
+        delays.append(restarts.delay_s)
+        now += 1 + restarts.delay_s
+    assert delays == [1, 2, 4, 8, 8] and restarts.count == 5
+    restarts = up.after_exit(rules, restarts, started_at=now, exited_at=now + 59)  # not quite stable
+    assert restarts.delay_s == 8
+    restarts = up.after_exit(rules, restarts, started_at=now + 67, exited_at=now + 127)  # up a minute
+    assert restarts.delay_s == 1 and restarts.count == 7
+
+
+def test_a_crash_loop_is_one_exit_more_than_the_limit_within_the_window() -> None:
+    rules = up.RestartRules(limit=2, window_s=100)
+    first = up.after_exit(rules, up.Restarts(), started_at=0, exited_at=10)
+    second = up.after_exit(rules, first, started_at=11, exited_at=20)
+    assert second is not None and second.exits == (10, 20)
+    assert up.after_exit(rules, second, started_at=22, exited_at=109) is None  # the third within 100 s
+    later = up.after_exit(rules, second, started_at=22, exited_at=110)  # the first exit has left the window
+    assert later is not None and later.exits == (20, 110) and later.count == 3
+    assert up.after_exit(up.RestartRules(limit=0), up.Restarts(), started_at=0, exited_at=1) is None  # never restart
+
+
+def test_restart_options_are_checked() -> None:
+    assert up.parse_args(["--restart-limit", "3", "--restart-window", "30"]).restart_limit == 3
+    for bad in (["--restart-limit", "-1"], ["--restart-window", "0"]):
+        with pytest.raises(SystemExit):
+            up.parse_args(bad)
 
 
 def test_external_servers_are_used_and_left_running(tmp_path: Path, started: list[Cluster]) -> None:
