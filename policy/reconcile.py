@@ -8,7 +8,8 @@ Per tier, against its census (observed plus in flight):
   still under way is cancelled first, then the least loaded, longest idle ones,
   each taking the next step of the tier's ladder once idle long enough;
 - asleep instances walk on down the ladder (level 2, then drain + delete);
-- an instance in ERROR is deleted; a drained one is deleted.
+- an instance in ERROR is deleted; a drained one is deleted; one STARTING for
+  longer than its backend's start budget is deleted (and so replaced).
 
 A step the backend cannot take becomes its substitute from the capability
 matrix (a llama.cpp sleep: drain, then delete once drained), and so does one
@@ -196,13 +197,21 @@ class Reconciler:
         return self._command(i, step, plan.reason)
 
     def _clean_up(self, backend: BackendType, c: TierCensus) -> None:
+        """Delete what failed, what is drained, and what has been starting for longer than its backend's budget."""
+        start_timeout_s = self.s.settings.start_timeout_s(backend)
+        sent = {a.instance_id for a in self.actions}
         for i in self.s.of(backend):
-            if i.state is not S.ERROR and i.state is not S.DRAINING:
+            if i.instance_id in c.busy or i.instance_id in sent or self._recently_failed(i, Action.DELETE):
                 continue
-            if i.instance_id in c.busy or self._recently_failed(i, Action.DELETE):
-                continue
-            why = "failed: release its resources" if i.state is S.ERROR else "drained (or drain timed out): delete"
-            self._emit(i, Action.DELETE, 0, why)
+            if i.state is S.ERROR:
+                self._emit(i, Action.DELETE, 0, "failed: release its resources")
+            elif i.state is S.DRAINING:
+                self._emit(i, Action.DELETE, 0, "drained (or drain timed out): delete")
+            elif i.state is S.STARTING and (starting_s := (self.now - i.state_since).total_seconds()) > start_timeout_s:
+                # Its worker never said how the start went (it lost the engine's answer, or the log was
+                # away when it tried): STARTING counts as supply, so without this nothing would replace it.
+                self._emit(i, Action.DELETE, 0, f"starting for {starting_s:.0f} s, past the start budget of "
+                                                f"{start_timeout_s:g} s: cancel it (a replacement follows)")
 
     # ------------------------------------------------------------------ commands
 

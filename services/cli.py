@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "relay": ("services.ops.relay", "run the outbox relay (event log -> bus)"),
     "projector": ("services.ops.projector", "keep the read models in Postgres up to date with the log"),
     "status": ("services.ops.status", "show workers, aliases, routing states and instances"),
+    "health": ("services.ops.health", "a service's health check, from its MODELPOOL_HEALTH_FILE (containers)"),
     "history": ("services.ops.history", "show an alias's timeline from the event log"),
     "replay": ("services.ops.replay", "rebuild projections from the log and compare them; --verify-decisions re-runs decisions"),
     "load": ("services.ops.load", "steady concurrent load on an alias, to watch the pool respond"),

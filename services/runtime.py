@@ -21,7 +21,8 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared.bus.jetstream import Consumer, connect, ensure_streams
+from services.links import ServerLinks, ping_postgres
+from shared.bus.jetstream import NATS_OPTIONS, Consumer, connect, ensure_streams
 from shared.bus.subjects import Subjects
 from shared.bus.telemetry import TelemetryBus
 from shared.contracts.commands import command_registry
@@ -29,6 +30,7 @@ from shared.contracts.events import event_registry
 from shared.contracts.messages import Envelope, Registry
 from shared.eventlog.db import create_engine
 from shared.eventlog.store import EventStore, make_store
+from shared.faults import StopRequested, retry_until_done
 from shared.settings import Settings
 from shared.telemetry import Telemetry
 
@@ -49,6 +51,7 @@ class ServiceContext:
     commands: Registry
     broker: NatsBroker
     telemetry_bus: TelemetryBus
+    links: ServerLinks
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def consume(self, *consumers: Consumer) -> None:
@@ -71,21 +74,35 @@ class ServiceContext:
 
 
 async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> ServiceContext:
+    """Connect to both servers, waiting for them as long as it takes, and declare the bus's streams."""
     telemetry = Telemetry.from_settings(settings, f"modelpool-{name}")
     stack.callback(telemetry.shutdown)
+    links = ServerLinks(name, settings.health_file)
     engine = create_engine(settings)
     stack.push_async_callback(engine.dispose)
     events = event_registry()
     store = make_store(engine, events, settings.namespace)
-    nc = await connect(settings.nats_url, name=f"modelpool-{name}-{socket.gethostname()}")
+    # Reconnects for ever (an outage of any length is waited out), and notices a server that
+    # stops answering (paused, partitioned) within a few pings rather than minutes.
+    nc = await connect(settings.nats_url, name=f"modelpool-{name}-{socket.gethostname()}", **links.nats_callbacks())
+    links.nats.reached()
     stack.push_async_callback(close_nats, nc)
     js = nc.jetstream()
     subjects = Subjects(settings.namespace)
-    await ensure_streams(js, subjects)
     telemetry_bus = TelemetryBus(nc, js, subjects)
-    await telemetry_bus.ensure()
+
+    async def declare() -> None:
+        await ensure_streams(js, subjects)
+        await telemetry_bus.ensure()
+
+    await retry_until_done(declare, "declaring the bus's streams", log)
+    # A NATS restarted without its store (or memory-only state lost in a restart) gets them again.
+    links.on_nats_reconnect(lambda: retry_until_done(declare, "declaring the bus's streams again", log))
+    await retry_until_done(lambda: ping_postgres(engine), "connecting to Postgres", log)
+    links.postgres.reached()
     # Per-message lines at DEBUG: a busy service would otherwise log every message it handles.
-    broker = NatsBroker(settings.nats_url, logger=logging.getLogger(f"modelpool.{name}.bus"), log_level=logging.DEBUG)
+    broker = NatsBroker(settings.nats_url, logger=logging.getLogger(f"modelpool.{name}.bus"), log_level=logging.DEBUG,
+                        **NATS_OPTIONS)
     stack.push_async_callback(broker.stop)
     return ServiceContext(
         name=name,
@@ -100,6 +117,7 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
         commands=command_registry(),
         broker=broker,
         telemetry_bus=telemetry_bus,
+        links=links,
     )
 
 
@@ -120,6 +138,8 @@ def configure_logging(name: str) -> None:
         format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # A line per HTTP call would bury everything else: a worker asks each engine about itself every second.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def run_service(name: str, body: Callable[[ServiceContext], Awaitable[None]], settings: Settings | None = None,
@@ -139,7 +159,14 @@ def run_service(name: str, body: Callable[[ServiceContext], Awaitable[None]], se
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, ctx.stop.set)
             log.info("%s started (namespace %s)", name, settings.namespace)
-            await body(ctx)
+            watching = asyncio.create_task(ctx.links.run(ctx.engine, ctx.nc, ctx.stop))
+            try:
+                await body(ctx)
+            except StopRequested as stopped:
+                log.info("%s", stopped)
+            finally:
+                ctx.stop.set()
+                await watching
             log.info("%s stopped", name)
 
     loop_factory = None

@@ -38,6 +38,7 @@ ENVIRONMENT = {
     "worker_slots": "MODELPOOL_WORKER_SLOTS",
     "worker_sim_speedup": "MODELPOOL_WORKER_SIM_SPEEDUP",
     "worker_health_timeout_s": "MODELPOOL_WORKER_HEALTH_TIMEOUT_S",
+    "worker_hang_timeout_s": "MODELPOOL_WORKER_HANG_TIMEOUT_S",
     "worker_report_interval_s": "MODELPOOL_WORKER_REPORT_INTERVAL_S",
     "worker_log_dir": "MODELPOOL_WORKER_LOG_DIR",
     "gateway_id": "MODELPOOL_GATEWAY_ID",
@@ -46,6 +47,7 @@ ENVIRONMENT = {
     "hold_keepalive_s": "MODELPOOL_HOLD_KEEPALIVE_S",
     "control_tick_s": "MODELPOOL_CONTROL_TICK_S",
     "worker_timeout_s": "MODELPOOL_WORKER_TIMEOUT_S",
+    "health_file": "MODELPOOL_HEALTH_FILE",
     "otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
     "service_name": "OTEL_SERVICE_NAME",
 }
@@ -73,6 +75,8 @@ class Settings(BaseModel):
     worker_sim_speedup: float = Field(default=1.0, gt=0)
     """Simulated engines run this many times faster than real time (tests use large values)."""
     worker_health_timeout_s: float = Field(default=180.0, gt=0)
+    worker_hang_timeout_s: float = Field(default=10.0, gt=0)
+    """An engine that has not answered its /health for this long while serving is recorded ERROR and killed."""
     worker_report_interval_s: float = Field(default=1.0, gt=0)
     """How often a worker reads its engines' status and sends its heartbeat."""
     worker_log_dir: str | None = None
@@ -89,6 +93,8 @@ class Settings(BaseModel):
     """How often the autoscaler decides for every alias (demand on a cold alias does not wait for it)."""
     worker_timeout_s: float = Field(default=10.0, gt=0)
     """A worker silent this long is recorded as lost."""
+    health_file: str | None = None
+    """Where a service writes whether it reaches its servers, every second, for `modelpool health` (containers)."""
     otlp_endpoint: str | None = None
     service_name: str = "modelpool"
 

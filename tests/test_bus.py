@@ -103,7 +103,7 @@ async def test_failing_handler_is_retried_then_dead_lettered(bus, settings, tele
     async def handler(envelope, command):
         nonlocal attempts
         attempts += 1
-        raise RuntimeError("database is down")
+        raise RuntimeError("a bug in the handler")
 
     consumer = Consumer(
         bus.js, bus.subjects, stream=bus.subjects.commands_stream, durable="placement",
@@ -146,3 +146,25 @@ async def test_trace_context_travels_in_headers(bus, settings):
     (sent,) = produced.get_finished_spans()
     (handled,) = consumed.get_finished_spans()
     assert handled.name == "worker-w1 ProbeInstance" and handled.parent.span_id == sent.context.span_id
+
+
+async def test_a_handler_waiting_for_its_database_is_retried_past_max_deliver_never_dead_lettered(bus, settings, telemetry):
+    attempts = 0
+
+    async def handler(envelope, command):
+        nonlocal attempts
+        attempts += 1
+        if attempts <= 6:  # twice max_deliver: Postgres is away that long
+            raise ConnectionRefusedError("connect call failed ('127.0.0.1', 5432)")
+
+    consumer = Consumer(
+        bus.js, bus.subjects, stream=bus.subjects.commands_stream, durable="placement",
+        filter_subject=bus.subjects.placement_commands, registry=command_registry(), handler=handler,
+        telemetry=telemetry, max_deliver=3,
+    )
+    await publish(bus.js, bus.subjects.placement_commands, probe(), telemetry)
+    async with consuming(settings.nats_url, consumer):
+        await eventually(lambda: consumer.stats.handled == 1, timeout=30)
+    assert attempts == 7 and consumer.stats.dead_lettered == 0 and consumer.stats.retried == 6
+    info = await bus.js.consumer_info(bus.subjects.commands_stream, "placement")
+    assert info.num_ack_pending == 0 and info.num_pending == 0

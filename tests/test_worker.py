@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
 import time
 from datetime import datetime, timezone
 
@@ -15,7 +16,7 @@ import pytest
 
 from helpers import consuming, eventually
 from services.engines.simulated.config import EngineConfig
-from services.worker.engines import EngineLauncher, EngineOptions
+from services.worker.engines import EngineLauncher, EngineOptions, _dying_with, kill_leftover_engines, leftover_engines
 from services.worker.main import command_consumer
 from services.worker.service import Worker
 from shared.bus import subjects as h
@@ -31,6 +32,7 @@ from shared.contracts.commands import (
     WakeInstance,
     command_registry,
 )
+from shared.contracts.events import InstanceStateChanged, WorkerLost
 from shared.contracts.messages import Envelope
 from shared.contracts.states import InstanceState as S
 
@@ -66,10 +68,10 @@ async def make_worker(store, telemetry, tmp_path):
     """Workers named w1 on this test's log; engines 200 times faster than real time unless asked otherwise."""
     made: list[Worker] = []
 
-    async def make(sim_speedup: float = 200.0, **options) -> Worker:
-        launcher = EngineLauncher(EngineOptions(log_dir=tmp_path / "engines", sim_speedup=sim_speedup, **options))
+    async def make(sim_speedup: float = 200.0, hang_timeout_s: float = 10.0, marker: str = "", **options) -> Worker:
+        launcher = EngineLauncher(EngineOptions(log_dir=tmp_path / "engines", sim_speedup=sim_speedup, **options), marker)
         w = Worker(worker_id="w1", store=store, telemetry=telemetry, gpu_memory_gb=80, slots=4, launcher=launcher,
-                   health_timeout_s=60, drain_poll_s=0.05, report_interval_s=0.2)
+                   health_timeout_s=60, hang_timeout_s=hang_timeout_s, drain_poll_s=0.05, report_interval_s=0.2)
         await w.register([EngineKind.SIMULATOR, EngineKind.LLAMA_CPP])
         made.append(w)
         return w
@@ -401,3 +403,77 @@ async def test_a_start_that_fails_is_recorded_with_the_engines_exit_code_and_out
     assert "engine exited with code 1 while starting" in error["reason"]
     assert error["log_tail"].splitlines()[-1].endswith("was told to fail its start (fail_start); exiting with code 1")
     assert await outcomes(store, "v1") == [("start", "failed")]
+
+
+# --------------------------------------------------------------------------- faults the worker outlives
+
+
+async def test_an_engine_death_seen_while_the_log_is_away_is_recorded_once_it_is_back(worker, store, monkeypatch):
+    await running(worker, start("v1"))
+    real_append, refused = store.append, []
+
+    async def away(*args, **kwargs):  # Postgres is down for the next five appends
+        if len(refused) < 5:
+            refused.append(1)
+            raise ConnectionRefusedError("connect call failed")
+        return await real_append(*args, **kwargs)
+
+    monkeypatch.setattr(store, "append", away)
+    os.kill(worker.instances["v1"].process.process.pid, signal.SIGKILL)
+    await eventually(lambda: states_end(store, "v1", "ERROR"), timeout=30)
+    assert len(refused) == 5 and await states(store, "v1") == ["STARTING", "RUNNING", "ERROR"]
+
+
+async def test_a_hung_engine_is_recorded_error_with_the_reason_and_killed(make_worker, store):
+    worker = await make_worker(hang_timeout_s=1.5)
+    await running(worker, start("v1"))
+    process = worker.instances["v1"].process
+    stopped_at = time.monotonic()
+    os.kill(process.process.pid, signal.SIGSTOP)  # alive, answering nothing
+    await eventually(lambda: states_end(store, "v1", "ERROR"), timeout=15)
+    assert time.monotonic() - stopped_at < 1.5 + 4
+    error = (await changes(store, "v1"))[-1].payload
+    assert "engine hung: no answer from /health" in error["reason"] and error["exit_code"] == -signal.SIGKILL
+    await eventually(lambda: process.process.returncode is not None, timeout=5)
+
+
+async def test_a_worker_recorded_lost_registers_again_and_gives_its_instances_up(worker, store):
+    await running(worker, start("v1"))
+    engine = worker.instances["v1"].process
+    # What the controller records for a worker it stopped hearing from (cut off from the bus, say).
+    await store.append("worker:w1", [Envelope.wrap(WorkerLost(worker_id="w1", reason="no heartbeat for 12 s"))])
+    await store.append("instance:v1", [Envelope.wrap(InstanceStateChanged(
+        instance_id="v1", alias="qwen3-vl-2b", backend_type=V, engine=EngineKind.SIMULATOR, worker_id="w1",
+        from_state=S.RUNNING, to_state=S.ERROR, reason="worker w1 lost (no heartbeat for 12 s)"))])
+    stop = asyncio.Event()
+    keeping = asyncio.create_task(worker.keep_registered([EngineKind.SIMULATOR], stop, every_s=0.1))
+
+    async def registered_again() -> bool:
+        return (await store.last_of("worker:w1")).type == "WorkerRegistered"
+
+    await eventually(registered_again, timeout=10)
+    stop.set()
+    await keeping
+    assert worker.instances["v1"].state is S.ERROR and worker.instances["v1"].process is None
+    assert not engine.alive  # its engine given up with it: the controller replaces the instance
+    await run(worker, delete("v1"))  # and releases it, as for any failed instance
+    assert await states(store, "v1") == ["STARTING", "RUNNING", "ERROR", "DELETING", "ABSENT"]
+
+
+async def test_engines_left_by_an_earlier_life_of_the_worker_are_found_by_their_mark_and_killed(make_worker):
+    worker = await make_worker(marker="ns/w1")
+    await running(worker, start("v1"))
+    engine = worker.instances["v1"].process.process
+    os.kill(engine.pid, signal.SIGSTOP)  # one that would not even heed its parent-death signal
+    assert leftover_engines("ns/w2") == [] and leftover_engines("ns/w1") == [engine.pid]
+    assert kill_leftover_engines("ns/w1") == [engine.pid]
+    assert await asyncio.wait_for(engine.wait(), 5) == -signal.SIGKILL
+
+
+def test_an_engine_whose_worker_died_before_it_could_be_tied_to_it_ends_itself():
+    # The parent-death signal only fires for a parent alive when it was set: a child that finds another
+    # parent than the one that forked it (the worker died in between) ends at once, before its engine runs.
+    child = subprocess.run(["sleep", "30"], preexec_fn=_dying_with(os.getpid() + 999_999), timeout=10)
+    assert child.returncode == -signal.SIGTERM
+    alive = subprocess.run(["true"], preexec_fn=_dying_with(os.getpid()), timeout=10)
+    assert alive.returncode == 0

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import os
 import socket
 import uuid
@@ -48,6 +49,7 @@ from shared.contracts.states import instance_transition_allowed
 from shared.contracts.telemetry import ControlOutlook
 from shared.eventlog.lease import AdvisoryLease
 from shared.eventlog.store import ConcurrencyError, EventStore
+from shared.faults import Outage, describe, retry_until_done
 from shared.projections.live import LiveView
 from shared.projections.readmodels import CONTROL, INSTANCES, ROUTING, WORKERS
 from shared.telemetry import Telemetry
@@ -107,6 +109,7 @@ class Controller:
         name: str | None = None,
         clock: Callable[[], datetime] = utcnow,
         resend_after_s: float = 5.0,
+        bus_up_for_s: Callable[[], float] = lambda: math.inf,
     ) -> None:
         self.store = store
         self.js = js
@@ -121,6 +124,8 @@ class Controller:
         self.clock = clock
         self.resend_after_s = resend_after_s
         """A command with no sign of arrival after this long is sent again, with its own id."""
+        self.bus_up_for_s = bus_up_for_s
+        """How long this process has reached NATS without a break: silence heard over a bus just back is no death."""
         self.view = LiveView(store, engine, [ROUTING, INSTANCES, WORKERS, CONTROL])
         self.touched_instances = self.view.watch_keys(INSTANCES)
         self.touched_aliases = self.view.watch_keys(CONTROL)
@@ -133,6 +138,7 @@ class Controller:
         self.sent_at: dict[uuid.UUID, tuple[datetime, int]] = {}
         """When each command was last sent, and how many times."""
         self.outlooks: dict[str, tuple[Any, datetime]] = {}
+        self.outlook_outage = Outage("publishing the controller's outlook", log)
         self.leading_since: datetime | None = None
         self.ticks = 0
         self._wake = asyncio.Event()
@@ -140,7 +146,7 @@ class Controller:
     # ------------------------------------------------------------------ running
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.view.load()
+        await retry_until_done(self.view.load, "loading the controller's view", log, stop)
         tune_collector()
         followers = [
             asyncio.create_task(self.telemetry_bus.watch_heartbeats(self.facts.heard, stop)),
@@ -165,8 +171,14 @@ class Controller:
         self.states.clear()
         self.views = InstanceViews()  # everything looked at afresh by a new leader
         log.info("%s leads the pool's decisions", self.name)
-        await self.view.catch_up()
-        await self.register_aliases()
+        outage = Outage("deciding", log)
+        try:
+            await self.view.catch_up()
+            await self.register_aliases()
+        except Exception as exc:  # Postgres went away as we took over: try to lead again
+            outage.failed(exc)
+            self.leading_since = None
+            return
         while not stop.is_set():
             if not await self.lease.alive():
                 log.error("%s lost its lease; standing down", self.name)
@@ -175,8 +187,10 @@ class Controller:
             try:
                 with collector_paused():
                     await self.tick()
-            except Exception:
-                log.exception("tick failed; trying again at the next one")
+            except Exception as exc:
+                outage.failed(exc)
+            else:
+                outage.succeeded()
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wait(stop), self.tick_s)
@@ -347,20 +361,41 @@ class Controller:
         try:
             await self.telemetry_bus.put_outlook(outlook)
             self.outlooks[snapshot.alias] = (content, now)
-        except Exception as exc:
-            log.warning("publishing the outlook of %s failed: %r", snapshot.alias, exc)
+        except Exception as exc:  # for `modelpool status` only: the next tick publishes it again
+            self.outlook_outage.failed(exc)
+        else:
+            self.outlook_outage.succeeded()
 
     # ------------------------------------------------------------------ lost workers
 
     async def watch_workers(self, now: datetime) -> list[str]:
-        """Record each worker silent past the timeout as lost, and its instances as gone with it."""
+        """Record each worker silent past the timeout as lost, and its instances as gone with it.
+
+        Silence counts only when this controller could have heard: it has led, and
+        reached NATS without a break, for a whole timeout (a leader whose bus was away,
+        or has just come back, has not heard anyone: that is not their death), and a
+        last look at the worker's heartbeat in the bucket finds nothing fresher.
+        """
         if self.leading_since is None or now - self.leading_since < timedelta(seconds=self.worker_timeout_s):
             return []  # a new leader first gives every worker the chance to be heard
+        if self.bus_up_for_s() < self.worker_timeout_s:
+            return []
         lost = []
         for worker_id, row in list(self.view[WORKERS].items()):
             if row["status"] != "up":
                 continue
             last = max(filter(None, (self.facts.last_heard(worker_id), row["registered_at"])))
+            if (now - last).total_seconds() <= self.worker_timeout_s:
+                continue
+            try:
+                heartbeat = await self.telemetry_bus.heartbeat_of(worker_id)
+            except Exception as exc:  # the bus cannot say: no verdict without it
+                log.warning("worker %s silent, but its heartbeat cannot be read (%s): not judged now", worker_id,
+                            describe(exc))
+                continue
+            if heartbeat is not None:
+                self.facts.heard(heartbeat)  # the watch missed it: catch up
+                last = max(last, heartbeat.at)
             silent = (now - last).total_seconds()
             if silent > self.worker_timeout_s:
                 await self.record_lost(worker_id, row, last, f"no heartbeat for {silent:.0f} s")

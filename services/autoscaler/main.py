@@ -21,6 +21,7 @@ async def serve(ctx: ServiceContext, config: PoolConfig) -> None:
         telemetry_bus=ctx.telemetry_bus,
         lease=AdvisoryLease(settings.asyncpg_dsn, settings.namespace, "autoscaler"),
         pool=config, tick_s=settings.control_tick_s, worker_timeout_s=settings.worker_timeout_s,
+        bus_up_for_s=ctx.links.nats.up_for_s,
     )
     await controller.run(ctx.stop)
 

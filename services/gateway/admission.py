@@ -29,6 +29,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import NO_PROMPT, Ask, Router, Slot
 from shared.contracts.messages import utcnow
 from shared.contracts.telemetry import DemandSignal
+from shared.faults import Outage
 
 log = logging.getLogger(__name__)
 
@@ -189,12 +190,15 @@ class Admission:
             del self.queues[queue.alias]  # keep a recently drained queue's rate for the next Retry-After
 
     async def _signal_demand(self, queue: AliasQueue) -> None:
+        outage = Outage(f"signalling demand for {queue.alias}", log)
         while queue.waiters:
             try:
                 await self.publish_demand(DemandSignal(gateway_id=self.gateway_id, alias=queue.alias,
                                                        held=len(queue.waiters), at=utcnow()))
                 self.metrics.demand_signalled(queue.alias)
             except Exception as exc:  # the bus is away: keep waiting, try again next second
-                log.warning("demand signal for %s not sent: %r", queue.alias, exc)
+                outage.failed(exc)
+            else:
+                outage.succeeded()
             await asyncio.sleep(DEMAND_INTERVAL_S)
         queue.signaller = None

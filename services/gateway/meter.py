@@ -21,6 +21,7 @@ from enum import Enum
 
 from shared.contracts.backends import BackendType
 from shared.contracts.telemetry import GatewayWindow, HistogramRecorder
+from shared.faults import Outage
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +239,7 @@ class Meter:
                   stop: asyncio.Event) -> None:
         """At every multiple of the window length, publish a window for each alias `aliases()` names."""
         last_end = 0.0
+        outage = Outage("publishing metric windows", log)
         while True:
             # Never the same end twice, even if the timer fires a hair before the wall clock gets there.
             end = max((math.floor(time.time() / self.window_s) + 1) * self.window_s, last_end + self.window_s)
@@ -250,5 +252,7 @@ class Meter:
             windows = self.close(aliases(), end)
             results = await asyncio.gather(*(publish(w) for w in windows), return_exceptions=True)
             failed = [r for r in results if isinstance(r, BaseException)]
-            if failed:
-                log.warning("%d of %d metric windows were not published: %r", len(failed), len(windows), failed[0])
+            if failed:  # lost for the controller, which decides on the next ones
+                outage.failed(failed[0])
+            else:
+                outage.succeeded()

@@ -14,6 +14,7 @@ import logging
 from services.runtime import ServiceContext, run_service
 from shared.bus.jetstream import Consumer
 from shared.contracts.messages import Contract, Envelope
+from shared.faults import Outage, retry_until_done
 from shared.projections.projector import Projector
 
 log = logging.getLogger(__name__)
@@ -23,8 +24,7 @@ POLL_INTERVAL_S = 1.0
 
 async def serve(ctx: ServiceContext) -> None:
     projector = Projector(ctx.store, ctx.engine)
-    await projector.load()
-    caught = await projector.catch_up()
+    caught = await retry_until_done(projector.catch_up, "loading the projections", log, ctx.stop)
     log.info("projections loaded at position %d (%d events applied on start)", projector.position, caught)
     lock = asyncio.Lock()
 
@@ -48,6 +48,7 @@ async def serve(ctx: ServiceContext) -> None:
 
     async def poll() -> None:
         # The bus can be down while the log is not: a slow poll keeps projections moving.
+        outage = Outage("catching up with the log", log)
         while not ctx.stop.is_set():
             try:
                 await asyncio.wait_for(ctx.stop.wait(), POLL_INTERVAL_S)
@@ -55,8 +56,10 @@ async def serve(ctx: ServiceContext) -> None:
                 try:
                     async with lock:
                         await projector.catch_up()
-                except Exception:
-                    log.exception("catching up with the log failed; retrying")
+                except Exception as exc:
+                    outage.failed(exc)
+                else:
+                    outage.succeeded()
 
     await asyncio.gather(ctx.consume(consumer), poll())
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+
 from services.placement.service import Placement
 from services.runtime import ServiceContext, run_service
 from shared.bus.jetstream import Consumer
 from shared.contracts.commands import PlaceInstance
 from shared.contracts.messages import Contract, Envelope
+from shared.faults import retry_until_done
+
+log = logging.getLogger(__name__)
 
 
 async def serve(ctx: ServiceContext) -> None:
     placement = Placement(ctx.store, ctx.js, ctx.subjects, ctx.telemetry)
-    await placement.view.catch_up()
+    await retry_until_done(placement.view.catch_up, "reading the workers and placements", log, ctx.stop)
 
     async def on_request(envelope: Envelope, command: Contract) -> None:
         assert isinstance(command, PlaceInstance)

@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import re
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 
+from services.processes import processes_with_marker
 from services.worker.status import METRIC_NAMES, EngineStatus, Scrape, StatusTracker, parse_scrape
 from shared.contracts.backends import BackendType, EngineKind
 from shared.contracts.commands import StartInstance
@@ -166,6 +169,20 @@ class EngineProcess:
                 raise EngineError(f"engine not healthy after {timeout_s:.0f} s")
             await asyncio.sleep(0.2)
 
+    async def answers(self, timeout_s: float = READ_TIMEOUT_S) -> bool:
+        """Whether the engine answers `/health` now (any answer: a 503 while it loads is an answer)."""
+        try:
+            await self.client.get("/health", timeout=timeout_s)
+        except (httpx.HTTPError, RuntimeError):  # RuntimeError: the client was closed as the engine stopped
+            return False
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL the engine and everything it started, at once (a hung engine would not heed SIGTERM)."""
+        self.stop_requested = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
     async def sleep(self, level: int) -> None:
         response = await self.client.post("/sleep", params={"level": level}, timeout=120.0)
         if response.status_code != 200:
@@ -287,23 +304,55 @@ def listens_elsewhere(pid: int, port: int) -> bool:
     return True
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the worker dies, even by SIGKILL.
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+ENGINE_MARKER = "MODELPOOL_ENGINE_OF"
+"""Set in every engine's environment to `<namespace>/<worker id>`: a restarted worker finds its predecessor's engines by it."""
+
+
+def _dying_with(parent_pid: int) -> Callable[[], None]:
+    """The function the engine's child process runs before exec: SIGTERM it when the worker dies, even by SIGKILL.
 
     Without this an engine (and its GPU memory) would outlive a crashed worker
-    with nobody left who knows it exists.
+    with nobody left who knows it exists. If the worker died between the fork and
+    this call, the signal would never come: the parent pid tells, and the child
+    ends itself. (A worker restarted on the host also kills what is left, by marker.)
     """
-    import ctypes
 
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    def setup() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
+
+
+def leftover_engines(marker: str) -> list[int]:
+    """Pids of processes carrying `ENGINE_MARKER=marker`: engines started under this mark, and what they started."""
+    return processes_with_marker(f"{ENGINE_MARKER}={marker}")
+
+
+def kill_leftover_engines(marker: str) -> list[int]:
+    """Kill the engines an earlier life of this worker left running (it was SIGKILLed, say); their pids.
+
+    Whatever they served is recorded ERROR by the worker's reconcile; nothing is adopted.
+    """
+    pids = leftover_engines(marker)
+    for pid in pids:
+        log.warning("killing engine process %d left by an earlier run of this worker", pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 class EngineLauncher:
-    """Starts engine processes for a worker; each in its own process group."""
+    """Starts engine processes for a worker; each in its own process group, marked as this worker's."""
 
-    def __init__(self, options: EngineOptions) -> None:
+    def __init__(self, options: EngineOptions, marker: str = "") -> None:
         self.options = options
+        self.marker = marker
 
     async def launch(self, spec: StartInstance) -> EngineProcess:
         port, *internal = free_ports(2 if has_internal_port(spec.engine) else 1, self.options.host)
@@ -318,8 +367,8 @@ class EngineLauncher:
                 log_file.flush()
                 log_start = log_file.tell()
                 process = await asyncio.create_subprocess_exec(
-                    *argv, env={**os.environ, **extra_env}, start_new_session=True,
-                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                    *argv, env={**os.environ, **extra_env, ENGINE_MARKER: self.marker}, start_new_session=True,
+                    preexec_fn=_dying_with(os.getpid()) if _LIBC is not None else None,
                     stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=asyncio.subprocess.STDOUT,
                 )
         except OSError as exc:

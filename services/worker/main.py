@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import re
 import shutil
 import socket
@@ -12,14 +13,17 @@ from pathlib import Path
 from nats.js import JetStreamContext
 
 from services.runtime import ServiceContext, run_service
-from services.worker.engines import EngineLauncher, EngineOptions, default_log_dir
+from services.worker.engines import EngineLauncher, EngineOptions, default_log_dir, kill_leftover_engines
 from services.worker.service import Worker
 from shared.bus.jetstream import Consumer
 from shared.bus.subjects import Subjects
 from shared.contracts.backends import EngineKind
 from shared.contracts.commands import InstanceCommand
 from shared.contracts.messages import Contract, Envelope, Registry
+from shared.faults import retry_until_done
 from shared.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
 
 
 def available_engines() -> list[EngineKind]:
@@ -68,23 +72,30 @@ async def serve(ctx: ServiceContext) -> None:
     settings = ctx.settings
     worker_id = settings.worker_id or default_worker_id()
     log_dir = Path(settings.worker_log_dir) if settings.worker_log_dir else default_log_dir(worker_id)
+    marker = f"{settings.namespace}/{worker_id}"
+    # Engines of an earlier life of this worker (SIGKILLed before it could stop them) hold memory and
+    # ports; the log says what they served, and reconcile records it gone.
+    kill_leftover_engines(marker)
     worker = Worker(
         worker_id=worker_id,
         store=ctx.store,
         launcher=EngineLauncher(EngineOptions(log_dir=log_dir, host=settings.worker_host,
-                                              sim_speedup=settings.worker_sim_speedup)),
+                                              sim_speedup=settings.worker_sim_speedup), marker),
         telemetry=ctx.telemetry,
         gpu_memory_gb=settings.worker_gpu_memory_gb,
         slots=settings.worker_slots,
         health_timeout_s=settings.worker_health_timeout_s,
+        hang_timeout_s=settings.worker_hang_timeout_s,
         report_interval_s=settings.worker_report_interval_s,
     )
-    await worker.register(available_engines())
-    await worker.reconcile()
+    engines = available_engines()
+    await worker.register(engines)
+    await retry_until_done(worker.reconcile, "reading this worker's instances from the log", log, ctx.stop)
 
     consumer = command_consumer(worker, ctx.js, ctx.subjects, ctx.commands, ctx.telemetry)
     try:
-        await asyncio.gather(ctx.consume(consumer), worker.send_heartbeats(ctx.telemetry_bus, ctx.stop))
+        await asyncio.gather(ctx.consume(consumer), worker.send_heartbeats(ctx.telemetry_bus, ctx.stop),
+                             worker.keep_registered(engines, ctx.stop))
     finally:
         await worker.shutdown()
 

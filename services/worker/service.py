@@ -44,6 +44,7 @@ from shared.contracts.events import (
     InstanceCommandCompleted,
     InstanceStateChanged,
     WorkerDeregistered,
+    WorkerLost,
     WorkerRegistered,
 )
 from shared.contracts.messages import Envelope, Event, derived_id
@@ -55,6 +56,7 @@ from shared.contracts.states import (
 )
 from shared.contracts.telemetry import InstanceStatus, WorkerHeartbeat
 from shared.eventlog.store import EventStore
+from shared.faults import Backoff, Outage, describe, is_transient
 from shared.projections.projector import rebuild
 from shared.projections.readmodels import INSTANCES
 from shared.telemetry import Telemetry
@@ -92,6 +94,7 @@ class Worker:
         slots: int,
         host: str | None = None,
         health_timeout_s: float = 180.0,
+        hang_timeout_s: float = 10.0,
         drain_poll_s: float = 0.5,
         report_interval_s: float = 1.0,
     ) -> None:
@@ -103,6 +106,8 @@ class Worker:
         self.slots = slots
         self.host = host or socket.gethostname()
         self.health_timeout_s = health_timeout_s
+        self.hang_timeout_s = hang_timeout_s
+        """An engine whose /health has not answered for this long is hung: recorded ERROR and killed."""
         self.drain_poll_s = drain_poll_s
         self.report_interval_s = report_interval_s
         self.instances: dict[str, Instance] = {}
@@ -116,6 +121,53 @@ class Worker:
             WorkerRegistered(worker_id=self.worker_id, host=self.host, gpu_memory_gb=self.gpu_memory_gb,
                              slots=self.slots, engines=engines)
         )
+
+    async def keep_registered(self, engines: list[EngineKind], stop: asyncio.Event, every_s: float = 2.0) -> None:
+        """Register again whenever the log says this worker was lost (or deregistered by someone else).
+
+        A worker cut off from the bus for longer than the controller's timeout is
+        recorded lost with its instances; once it can be heard again it comes back on
+        its own. Its instances are not: the log gave them up (ERROR or ABSENT), so their
+        engines are stopped and the controller starts what the load needs afresh.
+        """
+        outage = Outage("checking this worker's registration", log)
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+            if stop.is_set():
+                return
+            try:
+                last = await self.store.last_of(f"worker:{self.worker_id}")
+                if last is not None and last.type != WorkerRegistered.TYPE:
+                    log.warning("the log says this worker is %s (%s); registering again",
+                                "lost" if last.type == WorkerLost.TYPE else "deregistered",
+                                last.payload.get("reason", ""))
+                    await self.follow_the_log()
+                    await self.register(engines)
+            except Exception as exc:
+                outage.failed(exc)
+            else:
+                outage.succeeded()
+
+    async def follow_the_log(self) -> None:
+        """Bring each instance in line with the log where the log moved it without this worker (a loss):
+        its engine is stopped, and it is ERROR (to be released) or gone, as recorded."""
+        for inst in list(self.instances.values()):
+            async with self._lock(inst.instance_id):
+                last = await self.store.last_of(f"instance:{inst.instance_id}")
+                if last is None or last.type != InstanceStateChanged.TYPE:
+                    continue
+                recorded = S(last.payload["to_state"])
+                if recorded is inst.state or last.payload.get("worker_id") != self.worker_id:
+                    continue
+                log.warning("instance %s is %s in the log (%s), %s here: stopping its engine", inst.instance_id,
+                            recorded.value, last.payload.get("reason"), inst.state.value)
+                if inst.process is not None:
+                    await inst.process.stop()
+                    inst.process = None
+                inst.state, inst.error = recorded, last.payload.get("reason")
+                if recorded is S.ABSENT:
+                    self.instances.pop(inst.instance_id, None)
 
     async def reconcile(self) -> None:
         """After a restart: instances the log places here have lost their engine process.
@@ -134,14 +186,18 @@ class Worker:
             if inst.state is not S.ERROR:
                 await self._engine_gone(inst, None)
 
-    async def shutdown(self, reason: str = "worker stopped") -> None:
+    async def shutdown(self, reason: str = "worker stopped", record_within_s: float = 5.0) -> None:
         for task in list(self._tasks):
             task.cancel()
         for inst in list(self.instances.values()):
             if inst.process is not None:
                 await inst.process.stop()
                 inst.process = None
-        await self._record(WorkerDeregistered(worker_id=self.worker_id, reason=reason))
+        try:
+            await asyncio.wait_for(self._record(WorkerDeregistered(worker_id=self.worker_id, reason=reason)),
+                                   record_within_s)
+        except Exception as exc:  # the log is away: the controller will find this worker silent instead
+            log.warning("stopping without recording it (%s)", describe(exc))
 
     # ------------------------------------------------------------------ commands
 
@@ -198,6 +254,7 @@ class Worker:
             return
         inst.process, inst.endpoint = process, process.endpoint
         self._spawn(self._watch(inst, process))
+        self._spawn(self._guard(inst, process))
         self._spawn(self._finish_start(envelope, inst, process))
 
     async def _finish_start(self, envelope: Envelope, inst: Instance, process: EngineProcess) -> None:
@@ -236,6 +293,32 @@ class Worker:
                 return
             await self._engine_gone(inst, None)
 
+    async def _guard(self, inst: Instance, process: EngineProcess) -> None:
+        """Record an engine that is alive but no longer answers (hung, stopped, deadlocked), and kill it.
+
+        Judged only while the instance serves or rests (a start has its own timeout)
+        and no command of it is under way (a long wake may keep an engine busy).
+        """
+        loop = asyncio.get_running_loop()
+        answered = loop.time()
+        while process.alive and inst.process is process:
+            await asyncio.sleep(min(1.0, self.hang_timeout_s / 4))
+            serving = inst.state in (S.RUNNING, S.SLEEP_1, S.SLEEP_2, S.DRAINING)
+            probe_s = min(2.0, self.hang_timeout_s / 3)
+            if not serving or self._lock(inst.instance_id).locked() or await process.answers(probe_s):
+                answered = loop.time()
+                continue
+            silent = loop.time() - answered
+            if silent < self.hang_timeout_s:
+                continue
+            async with self._lock(inst.instance_id):
+                if inst.process is not process or not process.alive:
+                    return
+                log.error("instance %s: engine has not answered /health for %.0f s; killing it", inst.instance_id, silent)
+                process.kill()
+                await self._engine_gone(inst, None, f"engine hung: no answer from /health for {silent:.0f} s; killed")
+            return
+
     async def _wake(self, envelope: Envelope, cmd: WakeInstance) -> None:
         inst = self._known(cmd)
         check_instance_transition(inst.backend_type, inst.state, S.RUNNING)
@@ -269,16 +352,16 @@ class Worker:
         await self._transition(inst, target, cmd.reason or f"{cmd.ACTION.value} requested", envelope,
                                outcome=(Outcome.OK, ""))
 
-    async def _engine_gone(self, inst: Instance, cause: Envelope | None) -> None:
+    async def _engine_gone(self, inst: Instance, cause: Envelope | None, why: str | None = None) -> None:
         """Record that an instance's engine process is gone, by legal transitions only:
         ERROR where the lifecycle allows it, else on to ABSENT; with how it ended, when known."""
         process, inst.process = inst.process, None
         exit_code = log_tail = None
-        reason = "engine process is gone"
+        reason = why or "engine process is gone"
         if process is not None:
             await process.stop()  # reaps it and closes its HTTP client
             exit_code, log_tail = process.exit_code, process.log_tail()
-            reason = f"engine exited with code {exit_code}"
+            reason = why or f"engine exited with code {exit_code}"
         failed = (Outcome.FAILED, reason)
         if instance_transition_allowed(inst.backend_type, inst.state, S.ERROR):
             await self._transition(inst, S.ERROR, reason, cause, outcome=failed, exit_code=exit_code, log_tail=log_tail)
@@ -363,12 +446,15 @@ class Worker:
     async def send_heartbeats(self, telemetry_bus: TelemetryBus, stop: asyncio.Event) -> None:
         """Every `report_interval_s` until `stop`: the heartbeat, which is also this worker's sign of life."""
         loop = asyncio.get_running_loop()
+        outage = Outage("sending heartbeats", log)
         while not stop.is_set():
             started = loop.time()
             try:
                 await telemetry_bus.put_heartbeat(await self.heartbeat())
             except (NatsError, asyncio.TimeoutError) as exc:  # NATS is reconnecting: the next beat tries again
-                log.warning("heartbeat not sent: %r", exc)
+                outage.failed(exc)
+            else:
+                outage.succeeded()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, self.report_interval_s - (loop.time() - started)))
 
@@ -392,7 +478,24 @@ class Worker:
 
     async def _record(self, event: Event, *, causation: Envelope | None = None, id=None) -> None:
         envelope = Envelope.wrap(event, causation=causation, id=id)
-        await self.store.append(envelope.stream_id or "", [envelope], headers=self.telemetry.current_headers())
+        await self._append(envelope.stream_id or "", [envelope])
+
+    async def _append(self, stream_id: str, events: list[Envelope]) -> None:
+        """Append until it is recorded: a fact this worker saw (an engine up, gone, drained) is never dropped
+        because the log was away. The same events are sent each time, so an append that did commit before
+        its answer was lost is recognised by its ids and stored once."""
+        outage, backoff = Outage(f"recording {events[0].type} of {stream_id}", log), Backoff(cap_s=2.0)
+        while True:
+            try:
+                await self.store.append(stream_id, events, headers=self.telemetry.current_headers())
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                outage.failed(exc)
+                await backoff.wait()
+            else:
+                outage.succeeded()
+                return
 
     async def _transition(
         self,
@@ -420,7 +523,7 @@ class Worker:
                                 id=derived_id(cause.id, marker or to_state.value) if cause else None)]
         if outcome is not None and cause is not None:
             events.append(self._outcome_envelope(cause, inst.instance_id, inst.alias, Action(_action_of(cause)), *outcome))
-        await self.store.append(f"instance:{inst.instance_id}", events, headers=self.telemetry.current_headers())
+        await self._append(f"instance:{inst.instance_id}", events)
         inst.state = to_state
         inst.error = reason if to_state is S.ERROR else None
 
@@ -433,7 +536,7 @@ class Worker:
 
     async def _outcome(self, cause: Envelope, cmd: InstanceCommand, outcome: Outcome, detail: str) -> None:
         envelope = self._outcome_envelope(cause, cmd.instance_id, cmd.alias, cmd.ACTION, outcome, detail)
-        await self.store.append(f"instance:{cmd.instance_id}", [envelope], headers=self.telemetry.current_headers())
+        await self._append(f"instance:{cmd.instance_id}", [envelope])
 
 
 _ACTIONS = {c.TYPE: c.ACTION for c in (StartInstance, WakeInstance, SleepInstance, DrainInstance, DeleteInstance, ProbeInstance)}

@@ -33,15 +33,28 @@ from pydantic import ValidationError
 from shared.bus import subjects as h
 from shared.bus.subjects import DUPLICATE_WINDOW_S, Subjects
 from shared.contracts.messages import Contract, Envelope, InvalidMessage, Registry, UnknownMessageType, describe_errors
+from shared.faults import describe, is_transient
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 
+NATS_OPTIONS: dict[str, Any] = {
+    "connect_timeout": 5,
+    # A service waits out an outage of any length: nats-py's default gives up after 60 attempts.
+    "max_reconnect_attempts": -1,
+    "reconnect_time_wait": 0.5,
+    # A server that stops answering (paused, or cut off without a reset) is noticed after about
+    # three unanswered pings, not after nats-py's default of four minutes.
+    "ping_interval": 5,
+    "max_outstanding_pings": 3,
+}
+"""How every long-lived connection of a service talks to NATS (its own and its FastStream broker's)."""
+
+
 async def connect(url: str, *, name: str, **options: Any) -> NATS:
     """A connection that retries for ever (services); `options` override that, e.g. for a one-shot command."""
-    return await nats.connect(url, **{"name": name, "connect_timeout": 5, "max_reconnect_attempts": -1,
-                                      "reconnect_time_wait": 0.5, **options})
+    return await nats.connect(url, **{"name": name, **NATS_OPTIONS, **options})
 
 
 async def connect_once(url: str, *, name: str, timeout_s: float) -> NATS:
@@ -131,6 +144,9 @@ async def publish_in_order(js: JetStreamContext, messages: list[tuple[str, bytes
 
 
 Handler = Callable[[Envelope, Contract], Awaitable[None]]
+
+TRANSIENT_RETRY_CAP_S = 2.0
+"""Longest wait between two deliveries of a message whose handler waits for a server to come back."""
 
 
 @dataclass
@@ -268,16 +284,36 @@ class Consumer:
             try:
                 await self.handler(envelope, contract)
             except Exception as exc:
-                delivered = msg.metadata.num_delivered if msg.metadata else 1
-                if delivered >= self.max_deliver:
-                    await self.dead_letter(msg, f"handler failed {delivered} times: {exc!r}")
-                else:
-                    self.stats.retried += 1
-                    log.warning("%s: %s failed (delivery %d), will retry: %r", self.durable, envelope.type, delivered, exc)
-                    await msg.nak(delay=min(0.2 * 2**delivered, 5.0))
+                await self._failed(msg, envelope, exc)
                 return
-        await msg.ack()
+        try:
+            await msg.ack()
+        except Exception as exc:  # the effect is committed: a redelivery finds it and does nothing again
+            log.warning("%s: %s handled but not acked (%s); a redelivery will find it done",
+                        self.durable, envelope.type, describe(exc))
         self.stats.handled += 1
+
+    async def _failed(self, msg: Msg, envelope: Envelope, exc: Exception) -> None:
+        """A handler failed: try again later; set the message aside only if it keeps failing by itself.
+
+        A failure because Postgres or NATS is away says nothing about the message: it is
+        retried for as long as the outage lasts, never dead-lettered, at most
+        TRANSIENT_RETRY_CAP_S apart so it runs soon after the server is back.
+        """
+        delivered = msg.metadata.num_delivered if msg.metadata else 1
+        transient = is_transient(exc)
+        if not transient and delivered >= self.max_deliver:
+            await self.dead_letter(msg, f"handler failed {delivered} times: {exc!r}")
+            return
+        self.stats.retried += 1
+        if not transient:
+            log.warning("%s: %s failed (delivery %d), will retry: %r", self.durable, envelope.type, delivered, exc)
+        elif delivered == 1 or delivered % 20 == 0:
+            log.warning("%s: %s waits for its server (delivery %d): %s", self.durable, envelope.type, delivered,
+                        describe(exc))
+        delay = min(0.2 * 2**delivered, TRANSIENT_RETRY_CAP_S if transient else 5.0)
+        with contextlib.suppress(Exception):  # unacked, it comes back after ack_wait anyway
+            await msg.nak(delay=delay)
 
     async def dead_letter(self, msg: Msg, reason: str) -> None:
         """Keep the message with its reason, then stop its redelivery."""

@@ -11,6 +11,7 @@ idempotent by event id / position anyway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import asyncpg
@@ -19,6 +20,7 @@ from nats.js import JetStreamContext
 from shared.bus.jetstream import message_headers, publish_in_order
 from shared.bus.subjects import Subjects
 from shared.eventlog.store import EventStore
+from shared.faults import Backoff, Outage, is_transient
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,39 @@ class Relay:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        conn = await asyncpg.connect(self.listen_dsn, server_settings={"search_path": self.schema})
+        """Relay until `stop`, through any outage of Postgres or NATS.
+
+        The relay's own session (LISTEN, the advisory lock, its position) is opened
+        again whenever it is lost, and the lock taken again before anything is
+        published: in between another relay may have taken over, and then this one
+        stands by.
+        """
+        backoff = Backoff()
+        outage = Outage("the relay's Postgres session", log)
+        while not stop.is_set():
+            try:
+                conn = await asyncpg.connect(self.listen_dsn, server_settings={"search_path": self.schema}, timeout=5)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                outage.failed(exc)
+                await backoff.wait(stop)
+                continue
+            outage.succeeded()
+            backoff.reset()
+            try:
+                await self._relay_on(conn, stop)
+            except Exception as exc:
+                if not conn.is_closed() and not is_transient(exc):
+                    raise
+                outage.failed(exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(conn.close(), 2)
+                conn.terminate()
+
+    async def _relay_on(self, conn: asyncpg.Connection, stop: asyncio.Event) -> None:
+        """Hold the relay's lock on `conn` and publish until `stop`; raises when `conn` is lost."""
         stop_wait = asyncio.ensure_future(stop.wait())
         try:
             # Losing the last position update in a crash only means publishing a
@@ -86,27 +120,30 @@ class Relay:
             await conn.add_listener(self.store.notify_channel, lambda *_: self._wake.set())
             self.position = await self._load_position(conn)
             log.info("relay starting after position %d", self.position)
-            backoff = 0.2
+            backoff = Backoff()
+            outage = Outage("relaying events to the bus", log)
             while not stop.is_set():
                 # Clear before reading: a commit notified while we read sets it again.
                 self._wake.clear()
                 try:
-                    if await self.relay_once(conn):
-                        backoff = 0.2
-                        continue
-                except Exception:
+                    relayed = await self.relay_once(conn)
+                except Exception as exc:
+                    if conn.is_closed():
+                        raise  # our session is gone: open a new one, lock first
                     # The bus or the database is away: start again from what was recorded.
-                    log.exception("relaying failed; retrying in %.1f s", backoff)
-                    await asyncio.wait({stop_wait}, timeout=backoff)
-                    backoff = min(backoff * 2, 5.0)
+                    outage.failed(exc)
+                    await asyncio.wait({stop_wait}, timeout=backoff.next_s())
                     self.position = await self._load_position(conn)
+                    continue
+                outage.succeeded()
+                backoff.reset()
+                if relayed:
                     continue
                 wake_wait = asyncio.ensure_future(self._wake.wait())
                 await asyncio.wait({wake_wait, stop_wait}, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
                 wake_wait.cancel()
         finally:
             stop_wait.cancel()
-            await conn.close()
 
     async def relay_once(self, conn: asyncpg.Connection) -> int:
         """Publish the next batch of committed events; return how many."""

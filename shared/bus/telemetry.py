@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import (
     ConsumerConfig,
@@ -39,7 +39,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoStreamResponseError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
@@ -54,6 +54,7 @@ from shared.contracts.telemetry import (
     WorkerHeartbeat,
     telemetry_registry,
 )
+from shared.faults import Backoff, Outage
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,18 @@ class TelemetryBus:
 
     async def put_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         assert self._heartbeats is not None, "call ensure() first"
-        await self._heartbeats.put(heartbeat.worker_id, self._encode(heartbeat))
+        await self._put(self._heartbeats, heartbeat.worker_id, self._encode(heartbeat))
+
+    async def heartbeat_of(self, worker_id: str) -> WorkerHeartbeat | None:
+        """A worker's latest heartbeat read now from the bucket (not from a watch), or None if it has none."""
+        assert self._heartbeats is not None, "call ensure() first"
+        try:
+            entry = await self._heartbeats.get(worker_id)
+        except KeyNotFoundError:
+            return None
+        if not entry.value:
+            return None
+        return await self._decode(entry.value, WorkerHeartbeat, f"{self.subjects.heartbeats_bucket}.{worker_id}")
 
     async def heartbeats(self) -> dict[str, WorkerHeartbeat]:
         """The latest heartbeat of every worker heard from within the bucket's TTL."""
@@ -149,7 +161,7 @@ class TelemetryBus:
 
     async def put_outlook(self, outlook: ControlOutlook) -> None:
         assert self._control is not None, "call ensure() first"
-        await self._control.put(alias_key(outlook.alias), self._encode(outlook))
+        await self._put(self._control, alias_key(outlook.alias), self._encode(outlook))
 
     async def outlooks(self) -> dict[str, ControlOutlook]:
         assert self._control is not None, "call ensure() first"
@@ -161,27 +173,42 @@ class TelemetryBus:
         await self.js.publish(self.subjects.windows_of(window.gateway_id), self._encode(window))
 
     async def follow_windows(self, on_window: Callable[[GatewayWindow], Awaitable[None] | None], stop: asyncio.Event) -> None:
-        """Every gateway's latest window, then each new one, until `stop` is set."""
+        """Every gateway's latest window, then each new one, until `stop` is set.
+
+        Followed afresh after a reconnection or a failure, from each gateway's latest
+        window again: a restarted server may have lost or renumbered what was followed.
+        """
         config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
-        queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
+        outage, backoff = Outage("following the gateways' metric windows", log), Backoff(cap_s=2.0)
+        while not stop.is_set():
+            queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
 
-        async def enqueue(msg: Msg) -> None:
-            with contextlib.suppress(asyncio.QueueFull):  # a stalled reader drops the oldest news, not the process
-                queue.put_nowait(msg)
+            async def enqueue(msg: Msg) -> None:
+                with contextlib.suppress(asyncio.QueueFull):  # a stalled reader drops the newest news, not the process
+                    queue.put_nowait(msg)
 
-        sub = await self.js.subscribe(self.subjects.all_windows, ordered_consumer=True, config=config, cb=enqueue)
-        try:
-            while not stop.is_set():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    msg = await asyncio.wait_for(queue.get(), 0.5)
-                    window = await self._decode(msg.data, GatewayWindow, msg.subject)
-                    if window is not None:
-                        result = on_window(window)
-                        if isinstance(result, Awaitable):
-                            await result
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            reconnects = self.nc.stats["reconnects"]
+            sub = None
+            try:
+                sub = await self.js.subscribe(self.subjects.all_windows, ordered_consumer=True, config=config,
+                                              cb=enqueue)
+                outage.succeeded()
+                backoff.reset()
+                while not stop.is_set() and self.nc.stats["reconnects"] == reconnects:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        msg = await asyncio.wait_for(queue.get(), 0.5)
+                        window = await self._decode(msg.data, GatewayWindow, msg.subject)
+                        if window is not None:
+                            result = on_window(window)
+                            if isinstance(result, Awaitable):
+                                await result
+            except Exception as exc:
+                outage.failed(exc)
+                await backoff.wait(stop)
+            finally:
+                if sub is not None:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
 
     async def read_windows(self, since: datetime, until: datetime | None = None, alias: str | None = None) -> list[GatewayWindow]:
         """Stored windows that ended in [since, until], oldest first (what the 24 h stream still holds)."""
@@ -245,19 +272,37 @@ class TelemetryBus:
         return found
 
     async def _watch(self, kv: KeyValue, kind: type[T], on_message: Callable[[T], None], stop: asyncio.Event) -> None:
-        watcher = await kv.watchall()
-        try:
-            while not stop.is_set():
-                try:
-                    entry = await watcher.updates(timeout=0.5)
-                except NatsTimeout:
-                    continue
-                if entry is None or not entry.value or entry.operation is not None:
-                    continue
-                message = await self._decode(entry.value, kind, f"{kv._name}.{entry.key}")
-                if message is not None:
-                    on_message(message)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
+        """Each key's current value, then every change, until `stop`; watched afresh after a reconnection or a failure."""
+        outage, backoff = Outage(f"watching {kv._name}", log), Backoff(cap_s=2.0)
+        while not stop.is_set():
+            reconnects = self.nc.stats["reconnects"]
+            watcher = None
+            try:
+                watcher = await kv.watchall()
+                outage.succeeded()
+                backoff.reset()
+                while not stop.is_set() and self.nc.stats["reconnects"] == reconnects:
+                    try:
+                        entry = await watcher.updates(timeout=0.5)
+                    except NatsTimeout:
+                        continue
+                    if entry is None or not entry.value or entry.operation is not None:
+                        continue
+                    message = await self._decode(entry.value, kind, f"{kv._name}.{entry.key}")
+                    if message is not None:
+                        on_message(message)
+            except Exception as exc:
+                outage.failed(exc)
+                await backoff.wait(stop)
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()
 
+    async def _put(self, kv: KeyValue, key: str, value: bytes) -> None:
+        """Put a latest value; a bucket a restarted server lost is declared again first."""
+        try:
+            await kv.put(key, value)
+        except (NoRespondersError, NoStreamResponseError, NotFoundError, BucketNotFoundError):
+            await self.ensure()
+            await kv.put(key, value)

@@ -317,6 +317,14 @@ class PolicySettings(BaseModel):
     """After a start of a tier failed (placement or engine), no new start of it for this long."""
     COMMAND_RETRY_S: float = Field(default=10, ge=0)
     """After a command failed on an instance, the same command is not sent to it again for this long."""
+    LLAMA_START_TIMEOUT_S: float = Field(default=240, gt=0)
+    """A llama.cpp instance STARTING longer than this is cancelled and replaced: its worker failed to say how
+    the start went (longer than the worker's own health timeout, 180 s, so a live worker reports first)."""
+    VLLM_START_TIMEOUT_S: float = Field(default=600, gt=0)
+    """The same for vLLM, whose starts load large weights."""
+
+    def start_timeout_s(self, backend: BackendType) -> float:
+        return self.VLLM_START_TIMEOUT_S if backend is BackendType.VLLM else self.LLAMA_START_TIMEOUT_S
 
     @field_validator("HYBRID_MIX_WEIGHTS", mode="before")
     @classmethod
@@ -347,6 +355,7 @@ GATEWAY_ENVIRONMENT = {
     "max_body_bytes": "MODELPOOL_MAX_BODY_BYTES",
     "connect_timeout_s": "MODELPOOL_UPSTREAM_CONNECT_TIMEOUT_S",
     "read_timeout_s": "MODELPOOL_UPSTREAM_READ_TIMEOUT_S",
+    "first_byte_timeout_s": "MODELPOOL_UPSTREAM_FIRST_BYTE_TIMEOUT_S",
     "api_keys": "MODELPOOL_API_KEYS",
     "api_keys_file": "MODELPOOL_API_KEYS_FILE",
 }
@@ -371,6 +380,9 @@ class GatewayConfig(BaseModel):
     """An instance that does not accept a connection this fast is treated like one that refused it."""
     read_timeout_s: float = Field(default=600.0, gt=0)
     """Longest silence from an engine while it answers: between two chunks of a stream, or before a whole answer."""
+    first_byte_timeout_s: float = Field(default=60.0, gt=0)
+    """Longest wait for the first event of a stream (engines begin a stream at once): an instance silent this
+    long is passed over and the request sent to another, as nothing of it has reached the client yet."""
     api_keys: tuple[str, ...] = ()
     """Keys the public endpoint accepts as `Authorization: Bearer <key>`; none: the endpoint is open."""
     api_keys_file: str | None = None

@@ -29,6 +29,8 @@ def create_engine(settings: Settings, *, schema: str | None = None, pool_size: i
         max_overflow=pool_size,
         pool_pre_ping=True,
         connect_args={
+            # A server that does not answer (stopped, cut off) fails a connection in seconds, not asyncpg's 60.
+            "timeout": 10,
             "server_settings": {
                 "search_path": schema or settings.namespace,
                 # asyncpg prepares every statement; after a few runs Postgres may switch

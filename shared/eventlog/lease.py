@@ -14,6 +14,8 @@ import logging
 
 import asyncpg
 
+from shared.faults import Outage
+
 log = logging.getLogger(__name__)
 
 
@@ -29,17 +31,20 @@ class AdvisoryLease:
     async def acquire(self, stop: asyncio.Event) -> bool:
         """Wait until the lock is ours (True) or `stop` is set (False)."""
         announced = False
+        outage = Outage(f"taking the lease {self.key}", log)
         while not stop.is_set():
             try:
                 if self._conn is None or self._conn.is_closed():
                     self._conn = await asyncpg.connect(self.dsn, timeout=5)
                 if await self._conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", self.key):
+                    outage.succeeded()
                     return True
+                outage.succeeded()
                 if not announced:
                     log.info("%s is held by another process; standing by", self.key)
                     announced = True
-            except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
-                log.warning("cannot reach Postgres for %s: %s", self.key, exc)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncio.TimeoutError) as exc:
+                outage.failed(exc)
                 await self.release()
             try:
                 await asyncio.wait_for(stop.wait(), self.retry_s)
@@ -54,7 +59,7 @@ class AdvisoryLease:
         try:
             await asyncio.wait_for(self._conn.fetchval("SELECT 1"), self.check_timeout_s)
             return True
-        except (OSError, asyncpg.PostgresError, asyncio.TimeoutError):
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncio.TimeoutError):
             await self.release()
             return False
 

@@ -306,6 +306,16 @@ class EventStore:
             )
             return [self._upcast(_envelope(row)) for row in result]
 
+    async def last_of(self, stream_id: str) -> Envelope | None:
+        """The stream's latest event, or None for a stream with none."""
+        async with self.engine.connect() as conn:
+            result = await conn.execute(
+                text(f"SELECT {_COLUMNS} FROM events WHERE stream_id = :s ORDER BY stream_version DESC LIMIT 1"),
+                {"s": stream_id},
+            )
+            row = result.first()
+        return self._upcast(_envelope(row)) if row is not None else None
+
     async def read_after(self, position: int, limit: int = 1000) -> list[Envelope]:
         """Committed events after `position`, in position order. Safe to tail: see `append_batch`."""
         async with self.engine.connect() as conn:

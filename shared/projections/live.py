@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.bus.subjects import Subjects
 from shared.eventlog.store import EventStore, RawEvent
+from shared.faults import Outage
 from shared.projections.projector import load_position, load_rows
 from shared.projections.readmodels import Projection, Rows
 
@@ -97,8 +98,14 @@ class LiveView:
         return applied
 
     async def follow(self, nc: NATS, subjects: Subjects, stop: asyncio.Event, poll_interval_s: float = 1.0) -> None:
+        """Fold new events as the bus announces them, and at least every `poll_interval_s`, until `stop`.
+
+        While Postgres is away the rows stay as they were (the gateway serves from
+        them); the view catches up once the log can be read again.
+        """
         sub = await nc.subscribe(subjects.all_events, cb=self._on_message)
         stop_wait = asyncio.ensure_future(stop.wait())
+        outage = Outage("following the log", log)
         try:
             while not stop.is_set():
                 wake_wait = asyncio.ensure_future(self._wake.wait())
@@ -107,8 +114,10 @@ class LiveView:
                 self._wake.clear()
                 try:
                     await self.catch_up()
-                except Exception:
-                    log.exception("catching up with the log failed; retrying")
+                except Exception as exc:
+                    outage.failed(exc)
+                else:
+                    outage.succeeded()
         finally:
             stop_wait.cancel()
             with contextlib.suppress(Exception):

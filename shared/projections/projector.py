@@ -92,19 +92,26 @@ class Projector:
         self.projections = tuple(projections)
         self.rows: dict[str, Rows] = {}
         self.positions: dict[str, int] = {}
+        self.stale = True
+        """The rows in memory may be ahead of the tables (a write failed): nothing is folded until they are reloaded."""
 
     @property
     def position(self) -> int:
         return min(self.positions.values(), default=0)
 
     async def load(self) -> None:
+        self.stale = True
+        rows, positions = {}, {}
         async with self.engine.connect() as conn:
             for p in self.projections:
-                self.rows[p.name] = await load_rows(conn, p)
-                self.positions[p.name] = await load_position(conn, p.name)
+                rows[p.name] = await load_rows(conn, p)
+                positions[p.name] = await load_position(conn, p.name)
+        self.rows, self.positions, self.stale = rows, positions, False
 
     async def catch_up(self, upto: int | None = None, batch: int = 5000) -> int:
         """Apply every committed event after our position; return how many were applied."""
+        if self.stale:
+            await self.load()
         applied = 0
         async for events in self.store.iter_raw(self.position, upto, batch):
             if events:
@@ -130,8 +137,9 @@ class Projector:
                         await save_position(conn, p.name, last)
         except Exception:
             # The rows in memory are ahead of the tables now; folding the same events
-            # again on top of them would count some twice. Start over from the tables.
-            await self.load()
+            # again on top of them would count some twice. Start over from the tables,
+            # whenever they can be read again: no fold before that.
+            self.stale = True
             raise
         for p in self.projections:
             self.positions[p.name] = max(self.positions[p.name], last)

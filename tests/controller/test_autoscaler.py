@@ -222,3 +222,28 @@ async def test_a_heteroscale_alias_places_prefill_and_decode_instances_and_reads
     row = {"instance_id": placed[0].instance_id, "backend_type": "vllm", "engine": "simulator", "worker_id": "w1",
            "state": "RUNNING", "updated_at": datetime.now(timezone.utc), "sleep_level": 0, "role": placed[0].role.value}
     assert instance_view(row, None, True, True, None).role is Role(placed[0].role.value)
+
+
+async def test_silence_heard_over_a_bus_that_is_away_or_just_back_is_no_death(
+        store, bus, settings, telemetry, telemetry_bus, pool_file):
+    await store.append("worker:w9", [Envelope.wrap(WorkerRegistered(worker_id="w9", host="h", gpu_memory_gb=24, slots=4,
+                                                                    engines=[EngineKind.SIMULATOR]))])
+    link = {"up_for_s": 0.0}  # this controller's own NATS link: down, or back a moment ago
+    c = controller(store, bus, settings, telemetry, telemetry_bus, pool_file, tick_s=0.2, worker_timeout_s=1.0,
+                   bus_up_for_s=lambda: link["up_for_s"])
+    stop = asyncio.Event()
+    task = await running(c, stop)
+
+    async def lost() -> list:
+        return [e for e in await store.read_stream("worker:w9") if e.type == "WorkerLost"]
+
+    await asyncio.sleep(3.0)  # w9 has been silent for three timeouts, but so has the bus
+    assert await lost() == []
+    link["up_for_s"] = 0.9
+    await asyncio.sleep(1.0)
+    assert await lost() == []  # back for less than one timeout: not heard from yet is not dead
+    link["up_for_s"] = 5.0
+    (recorded,) = await eventually(lost, timeout=5)
+    stop.set()
+    await task
+    assert "no heartbeat" in recorded.payload["reason"]

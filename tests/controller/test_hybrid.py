@@ -445,3 +445,20 @@ def test_an_alias_without_a_fast_tier_rests_its_vllm_when_idle_and_goes_cold_whe
     w.put("s1", SLOW, S.SLEEP_1, last_active_at=w.now - timedelta(seconds=400))
     d = w.tick(1, w.window(1), demand=2)
     assert [(a.action, a.instance_id) for a in d.actions] == [(Action.WAKE, "s1")]
+
+
+def test_a_start_that_never_reports_is_cancelled_past_its_budget_and_replaced():
+    w = World()
+    w.delays.start[FAST] = 10_000  # the worker never says how the start went
+    w.tick(1, demand=1)
+    w.tick(1, demand=1)
+    (stuck,) = w.of(FAST, S.STARTING)
+    budget = w.settings.LLAMA_START_TIMEOUT_S
+    d = w.tick(budget - (w.now - stuck.state_since).total_seconds(), w.window(1, held=1, queue_len=1.0))
+    assert not actions(d, Action.DELETE)  # at the budget exactly: not yet
+    d = w.tick(1, w.window(1, held=1, queue_len=1.0))
+    (cancel,) = actions(d, Action.DELETE)
+    assert cancel.instance_id == stuck.instance_id and "past the start budget" in cancel.reason
+    d = w.tick(1, w.window(1, held=1, queue_len=1.0))  # the cancel is on its way: the tier is short of one
+    (start,) = actions(d, Action.START, FAST)
+    assert start.instance_id != stuck.instance_id

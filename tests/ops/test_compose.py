@@ -55,7 +55,15 @@ def test_servers_have_health_checks_and_jetstream(compose: dict[str, Any]) -> No
     assert any("healthz" in part for part in services["nats"]["healthcheck"]["test"])
     assert services["postgres"]["image"].split(":")[1].startswith("16")
     assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
-    assert "/health" in " ".join(services["gateway"]["healthcheck"]["test"])
+
+
+def test_every_service_is_restarted_and_judged_by_whether_it_reaches_its_servers(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name in SERVICES:
+        service = services[name]
+        assert service["restart"] == "unless-stopped"
+        assert service["healthcheck"]["test"][1:3] == ["modelpool", "health"] and "health" in COMMANDS
+        assert service["environment"]["MODELPOOL_HEALTH_FILE"]  # where the service writes what `health` reads
 
 
 def test_servers_are_reached_by_url_and_the_gateway_port_is_published(compose: dict[str, Any]) -> None:
