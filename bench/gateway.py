@@ -65,6 +65,9 @@ ALIAS = "tiny"
 OVERLOAD_ALIAS = "tiny-capped"
 API_KEY = "sk-modelpool-bench-" + secrets.token_hex(8)
 """Both proxies check a key, as they would in production (LiteLLM refuses to start without one)."""
+KEEPALIVE_S = 4.0
+"""The load client drops an idle connection before the engine's and LiteLLM's servers (uvicorn: 5 s) close it,
+so it never sends a request on a connection the server is closing."""
 
 
 def say(message: str) -> None:
@@ -182,10 +185,16 @@ async def overload(client: httpx.AsyncClient, gateway_url: str, gateway: Process
         rss = [gateway.rss_bytes()]
         deadline = time.perf_counter() + seconds
         statuses: dict[int, int] = {}
+        dropped = 0
 
         async def one_client() -> None:
+            nonlocal dropped
             while time.perf_counter() < deadline:
-                response = await client.post(f"{gateway_url}/v1/chat/completions", json=body)
+                try:
+                    response = await client.post(f"{gateway_url}/v1/chat/completions", json=body)
+                except httpx.TransportError:
+                    dropped += 1  # no HTTP answer: counted, and the client goes on, as an SDK would retry
+                    continue
                 statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
 
         async def sample_memory() -> None:
@@ -199,14 +208,15 @@ async def overload(client: httpx.AsyncClient, gateway_url: str, gateway: Process
         on_engine = [r["e2e_s"] - r["queue_s"] for r in served]
         e2e = [r["e2e_s"] for r in served]
         phases[name] = {
-            "clients": clients, "answered": statuses,
+            "clients": clients, "answered": statuses, "dropped": dropped,
             "on_engine_p50_ms": round(1000 * quantile(on_engine, 0.5), 1),
             "on_engine_p99_ms": round(1000 * quantile(on_engine, 0.99), 1),
             "e2e_p50_ms": round(1000 * quantile(e2e, 0.5), 1), "e2e_p99_ms": round(1000 * quantile(e2e, 0.99), 1),
             "rss_first_mib": round(rss[0] / 2**20, 1), "rss_max_mib": round(max(rss) / 2**20, 1),
         }
         say(f"overload {name}: {clients} clients, on the engine p50 {phases[name]['on_engine_p50_ms']} ms, "
-            f"end to end p50 {phases[name]['e2e_p50_ms']} ms, gateway RSS up to {phases[name]['rss_max_mib']} MiB")
+            f"end to end p50 {phases[name]['e2e_p50_ms']} ms, gateway RSS up to {phases[name]['rss_max_mib']} MiB, "
+            f"answers {statuses}, {dropped} dropped")
     return phases
 
 
@@ -317,7 +327,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
             processes.append(litellm)
             await wait_ready(f"{litellm_url}/health/liveliness", litellm)
 
-        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
+        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048, keepalive_expiry=KEEPALIVE_S)
         auth = {"authorization": f"Bearer {API_KEY}"}
         async with httpx.AsyncClient(timeout=httpx.Timeout(60), limits=limits, headers=auth) as client:
             say("warming up")

@@ -180,6 +180,20 @@ class ChatCompletionRequest(_SamplingParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
+    # --- vLLM's chat template extensions -----------------------------------
+    add_generation_prompt: bool = True
+    """Open an assistant turn after the messages (the usual case)."""
+    continue_final_message: bool = False
+    """Leave the final (assistant) message open and go on writing it: the gateway resumes a broken stream so."""
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self) -> "ChatCompletionRequest":
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the final message to be the assistant's")
+        return self
+
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 

@@ -23,7 +23,9 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from typing import Any
 
 import aiohttp
 import orjson
@@ -50,6 +52,7 @@ from services.gateway.meter import Meter, Outcome, RequestTrace, outcome_of
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.prompts import SESSION_HEADER, read_prompt
+from services.gateway.resume import StreamTranscript
 from services.gateway.routing import Ask, Router, Slot
 from services.gateway.sessions import Sessions
 from services.gateway.sse import EventScanner, Usage, usage_of_body
@@ -81,6 +84,9 @@ access_log = logging.getLogger("modelpool.access")
 
 RETRY_AFTER_S = 2
 """Told to a client whose hold expired; a retry is held again, so a short wait loses nothing."""
+MAX_ATTEMPTS = 3
+"""Sends of one request to instances (the first, then others after failures): a request that broke three
+engines is not sent to a fourth."""
 KEEPALIVE = b": keep-alive\n\n"
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -139,7 +145,7 @@ def upstream_error(body: bytes, status: int) -> APIError:
 
 
 def what_failed(exc: BaseException) -> str:
-    return "went silent longer than the read timeout" if isinstance(exc, asyncio.TimeoutError) else "broke"
+    return "went silent past its timeout" if isinstance(exc, asyncio.TimeoutError) else "broke"
 
 
 def instance_failed(instance_id: str, exc: BaseException) -> APIError:
@@ -196,9 +202,12 @@ class Gateway:
     async def publish_windows(self, stop: asyncio.Event) -> None:
         await self.meter.run(lambda: list(self.view[ROUTING]), self.bus.publish_window, stop)
 
-    async def release_sessions(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
-        """Release the sessions this replica served that have idled past their router's `session_idle_s`."""
-        await self.sessions.run_releases(lambda alias: self.router.router_config(alias).session_idle_s, stop, every_s)
+    async def keep_sessions(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
+        """Record the bindings made, and release the sessions this replica served that have idled past their
+        router's `session_idle_s`."""
+        await asyncio.gather(
+            self.sessions.run_writes(stop),
+            self.sessions.run_releases(lambda alias: self.router.router_config(alias).session_idle_s, stop, every_s))
 
     async def exchange(self, request: Request, path: str) -> Exchange | Response:
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
@@ -221,7 +230,7 @@ class Gateway:
         trace_headers = {k: request.headers[k] for k in TRACE_HEADERS if k in request.headers} if self.telemetry.tracing else {}
         prompt = read_prompt(routed.model, body, request.headers.get(SESSION_HEADER))
         ask = Ask(prompt, self.router.tokens.tokens(routed.model, prompt.size_bytes))
-        return Exchange(self, routed.model, path, orjson.dumps(body), routed.stream, routed.include_usage, request_id,
+        return Exchange(self, routed.model, path, body, routed.stream, routed.include_usage, request_id,
                         trace_headers, ask)
 
 
@@ -233,13 +242,15 @@ class Exchange:
     waiting on a slow engine), and release what it holds in every case.
     """
 
-    def __init__(self, gateway: Gateway, alias: str, path: str, payload: bytes, stream: bool, keep_usage: bool,
+    def __init__(self, gateway: Gateway, alias: str, path: str, body: dict[str, Any], stream: bool, keep_usage: bool,
                  request_id: str, trace_headers: dict[str, str], ask: Ask) -> None:
         self.gateway = gateway
         self.ask = ask
         self.alias = alias
         self.path = path
-        self.payload = payload
+        self.payload = orjson.dumps(body)
+        self.transcript = StreamTranscript(path, body) if stream else None
+        """What the client has been sent of a stream: a stream broken midway is carried on from there."""
         self.stream = stream
         self.keep_usage = keep_usage
         self.request_id = request_id
@@ -249,8 +260,11 @@ class Exchange:
         self.status: int | None = None
         self.slot: Slot | None = None
         self.engine: str | None = None
-        self.retries = 0
+        self.attempts = 0
+        """Times the request (or the rest of its stream) was sent to an instance."""
         self.upstream: aiohttp.ClientResponse | None = None
+        self.head = b""
+        """What was read of the upstream answer before relaying began: a stream's first events, or the whole body."""
         self.read_whole = False
         """The engine's answer was read to its end: its connection can serve another request."""
         self.usage: Usage | None = None
@@ -321,7 +335,7 @@ class Exchange:
         record = {
             "request_id": self.request_id, "alias": self.alias, "path": self.path, "stream": self.stream,
             "status": self.status, "outcome": outcome.value, "instance": instance, "backend": backend,
-            "engine": self.engine, "retries": self.retries, "session": self.ask.prompt.session_id,
+            "engine": self.engine, "retries": max(0, self.attempts - 1), "session": self.ask.prompt.session_id,
             "moved_from": self.slot.moved_from if self.slot else None,
             "queue_s": round(trace.dispatched_at - trace.arrived, 4) if trace.dispatched_at is not None else None,
             "ttft_s": round(trace.ttft_s, 4) if trace.ttft_s is not None else None,
@@ -334,7 +348,8 @@ class Exchange:
     async def _serve(self, send: Send) -> Outcome:
         try:
             self.slot = await self._place(send)
-            self.upstream = await self._connect()
+            self.trace.dispatched(self.slot.backend)
+            self.upstream = await self._connect(send, self.payload)
         except Refused as refused:
             await self._refuse(send, refused.error)
             return refused.outcome
@@ -343,35 +358,25 @@ class Exchange:
                 f"{full}; the queue of `{self.alias}` is full, retry after {full.retry_after_s:.0f} s",
                 full.retry_after_s))
             return Outcome.QUEUE_FULL
-        return await self._relay(send, self.upstream)
+        return await self._relay(send, self.upstream, self.head)
 
     async def _place(self, send: Send) -> Slot:
-        """A slot, admitted at once or after waiting, with the session's binding recorded where the router binds.
+        """A slot, admitted at once or after waiting, with the session's binding noted where the router binds."""
+        admitted = self.gateway.admission.admit(self.alias, self.ask)
+        slot = admitted if isinstance(admitted, Slot) else await self._wait(send, admitted)
+        if slot.binds:
+            await self._note_session(slot)
+        return slot
 
-        Only a session's first request and a move write to the log. When another
-        replica bound the session first, its binding wins: the slot is given back
-        and the request placed again, on the winner's host.
-        """
-        admission, attempts = self.gateway.admission, 3
-        while True:
-            attempts -= 1
-            admitted = admission.admit(self.alias, self.ask)
-            slot = admitted if isinstance(admitted, Slot) else await self._wait(send, admitted)
-            if not slot.binds or await self._record_session(slot) == slot.instance_id or not attempts:
-                return slot
-            admission.release(slot)
-
-    async def _record_session(self, slot: Slot) -> str:
-        """Bind the session to the slot's instance, or record its move there; the host the log then names."""
+    async def _note_session(self, slot: Slot) -> None:
+        """Bind the session to the slot's instance, or move it there with its KV; the log records it behind us."""
         sessions, session_id = self.gateway.sessions, self.ask.prompt.session_id
         if slot.moved_from is not None:
             self.gateway.metrics.session_moved(self.alias, slot.reason)
             move = await self._move_kv(slot)
-            return await sessions.migrate(session_id, self.alias, slot.moved_from, slot.instance_id, slot.reason,
-                                          move.metrics())
-        if session_id not in sessions.bindings:
-            return await sessions.bind(session_id, self.alias, slot.instance_id)
-        return slot.instance_id
+            sessions.migrate(session_id, self.alias, slot.moved_from, slot.instance_id, slot.reason, move.metrics())
+        elif session_id not in sessions.bindings:
+            sessions.bind(session_id, self.alias, slot.instance_id)
 
     async def _move_kv(self, slot: Slot) -> KVMove:
         """Carry the session's KV from its old host to the slot's instance, where the router and engines allow."""
@@ -427,52 +432,95 @@ class Exchange:
         finally:
             gateway.admission.leave(waiter, outcome)
 
-    async def _connect(self) -> aiohttp.ClientResponse:
-        """Send the request to its slot's instance; a refused connection or a 503 is sent once more, elsewhere.
+    async def _connect(self, send: Send, payload: bytes) -> aiohttp.ClientResponse:
+        """Send `payload` to the slot's instance and read the start of its answer; sent again, elsewhere, if it
+        fails while nothing of the answer has reached the client.
 
-        Only then: nothing of the request can have run. Another instance of the same
-        backend with room takes it (never the other backend, seed 000 §6); without
-        one, the client gets the 503, or `instance_unreachable`.
+        That is: the connection was refused, or the engine broke or went silent before its
+        answer began (a whole answer, or a stream's first event within
+        `first_byte_timeout_s`); then another running instance of the same backend takes
+        it (never the other backend, seed 000 §6), waiting for room on one if all are
+        busy; with none, the client gets the failure. An engine that answers 503 is alive
+        and said no: only an instance with room now takes the request instead, else the
+        client gets that 503. At most MAX_ATTEMPTS sends in all.
         """
         gateway, trace = self.gateway, self.trace
-        assert self.slot is not None
-        trace.dispatched(self.slot.backend)
-        tried: set[str] = set()
-        failures: list[str] = []
         while True:
             slot = self.slot
-            tried.add(slot.instance_id)
-            response, reason = None, None
+            assert slot is not None
+            self.attempts += 1
+            response, reason, failure = None, None, None
             try:
-                response = await gateway.client.post(f"{slot.instance['endpoint']}{self.path}", data=self.payload,
-                                                     headers=self._upstream_headers())
+                response, self.head = await self._send_to(slot, payload)
             except UPSTREAM_REFUSED as exc:
-                failures.append(f"{slot.instance_id}: {exc!r}")
                 trace.refused(slot.backend)
-                reason = "refused"
+                reason, failure = "refused", exc
             except UPSTREAM_ERRORS as exc:
-                # The engine may have started on it: not safe to send again.
-                raise Refused(instance_failed(slot.instance_id, exc), Outcome.ENGINE_ERROR) from exc
+                reason, failure = "broke", exc
             if response is not None:
-                if response.status != 503 or self.retries:
+                if response.status != 503:
                     return response
                 reason = "unavailable"
-            other = None if self.retries else gateway.router.take_in(self.alias, slot.backend, self.ask, frozenset(tried))
+            other = await self._place_again(send, slot, wait=response is None) if self.attempts < MAX_ATTEMPTS else None
             if other is None:
                 if response is not None:
                     return response  # the engine's own 503, as it said it
-                log.warning("no %s instance of %s took the request: %s", slot.backend.value, self.alias, "; ".join(failures))
-                raise Refused(service_unavailable(
-                    f"no {slot.backend.value} instance of `{self.alias}` took the connection; retry shortly",
-                    code="instance_unreachable"), Outcome.UNREACHABLE)
+                log.warning("request for %s failed on %s (%s: %r); no other %s instance to send it to", self.alias,
+                            slot.instance_id, reason, failure, slot.backend.value)
+                if reason == "refused":
+                    raise Refused(service_unavailable(
+                        f"no {slot.backend.value} instance of `{self.alias}` took the connection; retry shortly",
+                        code="instance_unreachable"), Outcome.UNREACHABLE)
+                raise Refused(instance_failed(slot.instance_id, failure), Outcome.ENGINE_ERROR) from failure
             if response is not None:
                 response.close()
             gateway.metrics.retried(self.alias, slot.backend.value, reason or "refused")
-            self.retries += 1
-            self.slot = other
-            gateway.admission.release(slot)
-            if other.binds and other.moved_from is not None:
-                await self._record_session(other)
+
+    async def _place_again(self, send: Send, failed: Slot, *, wait: bool) -> Slot | None:
+        """Move the request to another instance of the failed one's backend: one with room now, or (with `wait`)
+        the first to have room; None, keeping the failed slot, when there is no other instance."""
+        gateway = self.gateway
+        ask = replace(self.ask, backend=failed.backend, avoid=self.ask.avoid | {failed.instance_id})
+        if not gateway.router.has_other(self.alias, failed.backend, ask.avoid):
+            return None
+        other = gateway.router.take(self.alias, ask)
+        if other is None and not wait:
+            return None
+        self.ask = ask
+        gateway.admission.release(failed)
+        self.slot = None
+        if other is None:
+            other = await self._place(send)
+        elif other.binds:
+            await self._note_session(other)
+        self.slot = other
+        return other
+
+    async def _send_to(self, slot: Slot, payload: bytes) -> tuple[aiohttp.ClientResponse, bytes]:
+        """Post `payload` to `slot`'s instance; the response and what is read of it before anything is relayed:
+        a stream's first events (within the first-byte timeout), else the whole answer."""
+        client, config = self.gateway.client, self.gateway.config
+        url = f"{slot.instance['endpoint']}{self.path}"
+        if not self.stream:
+            response = await client.post(url, data=payload, headers=self._upstream_headers())
+            try:
+                return response, await response.read()
+            except BaseException:
+                response.close()
+                raise
+        async with asyncio.timeout(config.first_byte_timeout_s):
+            response = await client.post(url, data=payload, headers=self._upstream_headers())
+            try:
+                if response.status != 200:
+                    return response, await response.read()
+                head = await response.content.readany()
+            except BaseException:
+                response.close()
+                raise
+        if not head:
+            response.close()
+            raise aiohttp.ServerDisconnectedError("the stream ended before its first event")
+        return response, head
 
     def _upstream_headers(self) -> dict[str, str]:
         headers = {"content-type": "application/json",
@@ -482,7 +530,7 @@ class Exchange:
             self.gateway.telemetry.inject(headers)  # traceparent: the engine's spans join the request's trace
         return headers
 
-    async def _relay(self, send: Send, response: aiohttp.ClientResponse) -> Outcome:
+    async def _relay(self, send: Send, response: aiohttp.ClientResponse, head: bytes) -> Outcome:
         instance = self.slot.instance  # type: ignore[union-attr]
         status = response.status
         self.engine = response.headers.get(ENGINE_HEADER, instance["engine"])
@@ -494,15 +542,10 @@ class Exchange:
                                        f"backend={instance['backend_type']} engine={self.engine}\n\n".encode())
             else:
                 await self._start(send, 200, [*SSE_HEADERS, *self._served_by(instance)])
-            return await self._relay_events(send, response)
-        # A whole answer (or an engine's error), read before anything is sent: an engine
-        # that fails midway is a 502 with an error body, not a truncated answer.
-        try:
-            body = await response.read()
-        except UPSTREAM_ERRORS as exc:
-            log.warning("answer of %s from %s broke: %r", self.alias, instance["instance_id"], exc)
-            await self._refuse(send, instance_failed(instance["instance_id"], exc))
-            return Outcome.ENGINE_ERROR
+            return await self._relay_events(send, response, head)
+        # A whole answer (or an engine's error), read before anything is sent (`_send_to`): an
+        # engine that fails midway is retried elsewhere, or a 502 with an error body, never a truncated answer.
+        body = head
         self.read_whole = True
         if self.started:  # a held stream the engine refused: its 200 is out, so the error is an event
             await self._send(send, error_event(upstream_error(body, status)), more=False)
@@ -520,30 +563,71 @@ class Exchange:
                 (b"x-modelpool-backend", instance["backend_type"].encode()),
                 (ENGINE_HEADER.encode(), (self.engine or instance["engine"]).encode())]
 
-    async def _relay_events(self, send: Send, response: aiohttp.ClientResponse) -> Outcome:
-        scanner, trace, clock = EventScanner(self.keep_usage), self.trace, self.gateway.clock
-        try:
-            async for data in response.content.iter_any():
-                now = clock()
-                events, chunks = scanner.feed(data)
-                if chunks:
-                    if trace.content_chunks == 0:
-                        self.gateway.router.first_token(self.slot)  # type: ignore[arg-type]
-                    trace.content(chunks, now)
-                if events:
-                    await self._send(send, events)
-        except UPSTREAM_ERRORS as exc:
-            log.warning("stream of %s from %s broke: %r", self.alias, self.slot.instance_id, exc)  # type: ignore[union-attr]
-            await self._send(send, error_event(APIError(502, f"the instance's stream {what_failed(exc)}: {exc!r}",
-                                                        type="api_error", code="stream_broken")), more=False)
-            return Outcome.ENGINE_ERROR
-        self.read_whole = True
+    async def _relay_events(self, send: Send, response: aiohttp.ClientResponse, head: bytes) -> Outcome:
+        """Relay a stream's events as they come; one that breaks midway is carried on by another instance of
+        the backend from where the client is (`resume.py`), while attempts are left; else it ends with an error event."""
+        transcript, trace, clock = self.transcript, self.trace, self.gateway.clock
+        assert transcript is not None
+        scanner = EventScanner(self.keep_usage, transcript)
+        while True:
+            try:
+                async for data in _chunks(head, response):
+                    now = clock()
+                    events, chunks = scanner.feed(data)
+                    if chunks:
+                        if trace.content_chunks == 0:
+                            self.gateway.router.first_token(self.slot)  # type: ignore[arg-type]
+                        trace.content(chunks, now)
+                    if events:
+                        await self._send(send, events)
+                if scanner.ended or transcript.finished:
+                    break
+                failure: BaseException = aiohttp.ServerDisconnectedError("the stream ended before its [DONE]")
+            except UPSTREAM_ERRORS as exc:
+                if transcript.finished:  # all of the answer is out; only its end is missing
+                    break
+                failure = exc
+            response = await self._carry_on(send, failure, scanner)
+            if response is None:
+                return Outcome.ENGINE_ERROR
+            self.upstream, head = response, self.head
+        self.read_whole = scanner.ended
+        if not scanner.ended:
+            scanner.drop_partial()  # the stream broke after its last choice finished: end it here
         rest, chunks = scanner.flush()
         if chunks:
             trace.content(chunks, clock())
         self.usage = scanner.usage
-        await self._send(send, rest, more=False)
+        await self._send(send, rest if scanner.ended else rest + SSE_DONE, more=False)
         return Outcome.OK
+
+    async def _carry_on(self, send: Send, failure: BaseException, scanner: EventScanner) -> aiohttp.ClientResponse | None:
+        """The stream broke: the rest of it from another instance of the backend, or None after an error event."""
+        transcript, slot = self.transcript, self.slot
+        assert transcript is not None and slot is not None and self.upstream is not None
+        log.warning("stream of %s from %s broke after %d chunks: %r", self.alias, slot.instance_id, transcript.chunks,
+                    failure)
+        self.upstream.close()
+        scanner.drop_partial()  # half an event the client never saw
+        body = transcript.continuation() if self.attempts < MAX_ATTEMPTS else None
+        other = await self._place_again(send, slot, wait=True) if body is not None else None
+        if other is None:
+            await self._send(send, error_event(APIError(502, f"the instance's stream {what_failed(failure)}: {failure!r}",
+                                                        type="api_error", code="stream_broken")), more=False)
+            return None
+        self.gateway.metrics.retried(self.alias, slot.backend.value, "resumed")
+        try:
+            response = await self._connect(send, orjson.dumps(body))
+        except Refused as refused:
+            await self._send(send, error_event(refused.error), more=False)
+            return None
+        if response.status != 200:
+            await self._send(send, error_event(upstream_error(self.head, response.status)), more=False)
+            return None
+        assert self.slot is not None
+        await self._send(send, f": modelpool resumed on instance={self.slot.instance_id} "
+                               f"after {transcript.chunks} chunks\n\n".encode())
+        return response
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         await send({"type": "http.response.start", "status": status,
@@ -563,6 +647,13 @@ class Exchange:
         headers = [(b"content-type", b"application/json"), *((k.lower().encode(), v.encode()) for k, v in exc.headers.items())]
         await self._start(send, exc.status, headers)
         await self._send(send, orjson.dumps(exc.to_dict()), more=False)
+
+
+async def _chunks(head: bytes, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """What was read of the answer before relaying began, then the rest as it comes."""
+    yield head
+    async for data in response.content.iter_any():
+        yield data
 
 
 async def _client_gone(receive: Receive) -> None:

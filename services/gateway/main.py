@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import uvicorn
 from starlette.applications import Starlette
@@ -12,19 +13,27 @@ from services.gateway.admin import create_admin_app
 from services.gateway.app import Gateway, create_app, upstream_client
 from services.runtime import ServiceContext, run_service
 from shared.contracts.config import PoolConfig, load_pool_config
+from shared.faults import retry_until_done
 from shared.projections.live import LiveView
 from shared.projections.readmodels import INSTANCES, ROUTING, SESSIONS
 
+log = logging.getLogger(__name__)
+
 GRACEFUL_SHUTDOWN_S = 10.0
+CLIENT_KEEPALIVE_S = 75
+"""How long a client's idle connection is kept open (uvicorn's default: 5 s). Longer than clients keep theirs
+(httpx and the OpenAI SDKs: 5 s, aiohttp: 15 s) and than a load balancer's usual 60 s, so the client ends an
+idle connection, not the gateway: a request a client sends on a connection the gateway is closing at that
+moment is reset unanswered."""
 
 
 async def serve(ctx: ServiceContext, pool: PoolConfig | None = None) -> None:
     pool = pool or PoolConfig()
     view = LiveView(ctx.store, ctx.engine, [ROUTING, INSTANCES, SESSIONS])
-    await view.load()
+    await retry_until_done(view.load, "loading the routing view", log, ctx.stop)
     async with upstream_client(pool.gateway) as client:
         gateway = Gateway(ctx.settings, view, client, ctx.telemetry_bus, pool, ctx.telemetry)
-        await gateway.start()
+        await retry_until_done(gateway.start, "reading the aliases' start times", log, ctx.stop)
         settings = ctx.settings
         servers = [http_server(create_app(gateway), settings.gateway_host, settings.gateway_port)]
         print(f"gateway {gateway.gateway_id} listening on http://{settings.gateway_host}:{settings.gateway_port}/v1",
@@ -40,12 +49,13 @@ async def serve(ctx: ServiceContext, pool: PoolConfig | None = None) -> None:
                 server.should_exit = True
 
         await asyncio.gather(*(s.serve() for s in servers), view.follow(ctx.nc, ctx.subjects, ctx.stop),
-                             gateway.publish_windows(ctx.stop), gateway.release_sessions(ctx.stop), stop_servers())
+                             gateway.publish_windows(ctx.stop), gateway.keep_sessions(ctx.stop), stop_servers())
 
 
 def http_server(app: Starlette, host: str, port: int) -> uvicorn.Server:
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+        timeout_keep_alive=CLIENT_KEEPALIVE_S,
         # Held requests and long streams would otherwise keep a stopping gateway up for minutes.
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     ))

@@ -38,10 +38,13 @@ def _running_since(row: dict[str, Any]) -> tuple[Any, str]:
 
 @dataclass(frozen=True, slots=True)
 class Ask:
-    """What the router knows of a request before it is sent: its prompt's session and blocks, its tokens."""
+    """What the router knows of a request before it is sent: its prompt's session and blocks, its tokens;
+    for a request sent again, the backend it stays on and the instances that failed it."""
 
     prompt: Prompt
     tokens: int
+    backend: BackendType | None = None
+    avoid: frozenset[str] = frozenset()
 
 
 NO_PROMPT = Ask(Prompt("", (), 0), 0)
@@ -143,11 +146,16 @@ class Router:
 
     def take(self, alias: str, ask: Ask = NO_PROMPT) -> Slot | None:
         """A slot for one request of `alias`, or None when no instance it may use may take it now."""
-        for backend in backend_order(*self.state(alias), self.rng.random()):
-            slot = self.take_in(alias, backend, ask)
+        backends = (ask.backend,) if ask.backend else backend_order(*self.state(alias), self.rng.random())
+        for backend in backends:
+            slot = self.take_in(alias, backend, ask, ask.avoid)
             if slot is not None:
                 return slot
         return None
+
+    def has_other(self, alias: str, backend: BackendType, avoid: frozenset[str]) -> bool:
+        """Whether an instance of `backend` other than those in `avoid` runs, full or not."""
+        return any(row["instance_id"] not in avoid for row in self._instances(alias, backend))
 
     def take_in(self, alias: str, backend: BackendType, ask: Ask = NO_PROMPT,
                 exclude: frozenset[str] = frozenset()) -> Slot | None:

@@ -2,9 +2,12 @@
 
 A router that binds sessions (affinity, EAR) asks for a log write only when a
 session is first placed (`SessionBound`) and when it moves (`SessionMigrated`);
-every other request reads the table in memory. Each session is its own stream,
-so two replicas binding the same new session at once cannot both win: the
-stream version decides, and the loser reads the winner's binding and follows it.
+every other request reads the table in memory. The writes go behind the
+requests, never in their way: a binding is in effect in this replica at once,
+and recorded by a writer that waits out a Postgres outage. Each session is its
+own stream, so two replicas binding the same new session at once cannot both
+win: the stream version decides, and the loser reads the winner's binding and
+follows it from its next request on.
 Bindings made by other replicas arrive through the live view. A session idle for
 the router's `session_idle_s` is released (`SessionReleased`), and its next
 request is placed anew.
@@ -22,10 +25,22 @@ from routing.scheduler import SessionState
 from shared.contracts.events import SessionBound, SessionMigrated, SessionReleased
 from shared.contracts.messages import Envelope
 from shared.eventlog.store import ConcurrencyError, EventStore, RawEvent
+from shared.faults import Backoff, Outage, is_transient
 
 log = logging.getLogger(__name__)
 
 SESSION_EVENTS = frozenset({"SessionBound", "SessionMigrated", "SessionReleased"})
+MAX_PENDING_WRITES = 10_000
+"""Bindings and moves waiting for the log at most (Postgres away while sessions keep coming): memory stays bounded."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """A binding or a move to record: the session stream's expected version, None to read it when written."""
+
+    session_id: str
+    event: Envelope
+    expected: int | None
 
 
 @dataclass(slots=True)
@@ -59,6 +74,9 @@ class Sessions:
         self.bindings: dict[str, Binding] = {}
         self.resident: dict[str, int] = {}
         """Per instance, the context tokens of the sessions bound to it."""
+        self._writes: asyncio.Queue[_Write] = asyncio.Queue()
+        self.unrecorded = 0
+        """Bindings and moves never recorded because too many waited for the log."""
 
     # ------------------------------------------------------------------ reading
 
@@ -105,41 +123,85 @@ class Sessions:
         self.resident[b.host] = self.resident.get(b.host, 0) + context_tokens - b.context_tokens
         b.context_tokens, b.last_seen = context_tokens, self.clock()
 
-    async def bind(self, session_id: str, alias: str, instance_id: str) -> str:
-        """Record the session's first host; the host it has once the log has spoken (another replica's, if it won)."""
-        expected = 0
+    def bind(self, session_id: str, alias: str, instance_id: str) -> None:
+        """The session's first host: in effect at once, recorded in the log behind the request.
+
+        If another replica bound the session first, the write finds out and this
+        replica follows that binding from its next request on: the one request that
+        went elsewhere only missed a cache.
+        """
+        self._set(session_id, Binding(alias, instance_id, last_seen=self.clock()))
+        self._queue(session_id, SessionBound(session_id=session_id, alias=alias, instance_id=instance_id), 0)
+
+    def migrate(self, session_id: str, alias: str, source: str, target: str, reason: str,
+                metrics: dict[str, float]) -> None:
+        """A move: in effect at once, recorded in the log behind the request (another replica's move, if it
+        came first, wins and is followed from then on)."""
+        b = self.bindings.get(session_id)
+        self._set(session_id, Binding(alias, target, self.wall(), None, b.position if b else 0,
+                                      b.context_tokens if b else 0, self.clock()))
+        self._queue(session_id, SessionMigrated(session_id=session_id, alias=alias, from_instance_id=source,
+                                                to_instance_id=target, reason=reason, metrics=metrics),
+                    b.version if b is not None else None)
+
+    def _queue(self, session_id: str, event: SessionBound | SessionMigrated, expected: int | None) -> None:
+        if self._writes.qsize() >= MAX_PENDING_WRITES:
+            # A long outage under many new sessions: the binding holds in this replica all the same; other
+            # replicas, not told, place the session's requests as a new session's.
+            self.unrecorded += 1
+            if self.unrecorded == 1:
+                log.warning("%d session bindings wait for the log; further ones are kept in memory only",
+                            MAX_PENDING_WRITES)
+            return
+        self._writes.put_nowait(_Write(session_id, Envelope.wrap(event), expected))
+
+    async def run_writes(self, stop: asyncio.Event) -> None:
+        """Record the bindings and moves made, in order, until `stop`; through a Postgres outage they wait,
+        and are recorded once it is back (requests meanwhile follow them from memory)."""
+        outage, backoff = Outage("recording session bindings", log), Backoff(cap_s=2.0)
+        stop_wait = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                next_write = asyncio.ensure_future(self._writes.get())
+                await asyncio.wait({next_write, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if not next_write.done():
+                    next_write.cancel()
+                    return
+                write = next_write.result()
+                while not stop.is_set():
+                    try:
+                        await self._write(write)
+                    except Exception as exc:
+                        if not is_transient(exc):
+                            log.exception("session %s: %s not recorded", write.session_id, write.event.type)
+                            break
+                        outage.failed(exc)
+                        await backoff.wait(stop)
+                    else:
+                        outage.succeeded()
+                        backoff.reset()
+                        break
+        finally:
+            stop_wait.cancel()
+
+    async def _write(self, write: "_Write") -> None:
+        stream = stream_of(write.session_id)
+        expected = write.expected if write.expected is not None else await self.store.stream_version(stream)
         for _ in range(3):
-            event = Envelope.wrap(SessionBound(session_id=session_id, alias=alias, instance_id=instance_id))
             try:
-                [stored] = await self.store.append(stream_of(session_id), [event], expected_version=expected)
+                [stored] = await self.store.append(stream, [write.event], expected_version=expected)
             except ConcurrencyError as exc:
-                winner = await self._read(session_id)
-                if winner is not None:
-                    return winner.host  # another replica bound it first: follow
+                winner = await self._read(write.session_id)
+                if winner is not None or write.event.type != SessionBound.TYPE:
+                    return  # another replica bound or moved it first: its binding is followed now
                 expected = exc.actual  # the stream holds an earlier, released binding
                 continue
-            self._set(session_id, Binding(alias, instance_id, None, stored.stream_version, stored.position,
-                                          last_seen=self.clock()))
-            return instance_id
-        raise RuntimeError(f"session {session_id} could not be bound: its stream keeps changing")
-
-    async def migrate(self, session_id: str, alias: str, source: str, target: str, reason: str,
-                      metrics: dict[str, float]) -> str:
-        """Record a move; the host the session has afterwards (another replica's move, if one came first)."""
-        b = self.bindings.get(session_id)
-        known = b.version if b is not None else None
-        version = known if known is not None else await self.store.stream_version(stream_of(session_id))
-        event = Envelope.wrap(SessionMigrated(session_id=session_id, alias=alias, from_instance_id=source,
-                                              to_instance_id=target, reason=reason, metrics=metrics))
-        try:
-            [stored] = await self.store.append(stream_of(session_id), [event], expected_version=version)
-        except ConcurrencyError:
-            winner = await self._read(session_id)
-            return winner.host if winner is not None else target
-        context = b.context_tokens if b else 0
-        self._set(session_id, Binding(alias, target, stored.occurred_at.timestamp(), stored.stream_version,
-                                      stored.position, context, self.clock()))
-        return target
+            b = self.bindings.get(write.session_id)
+            host = write.event.payload.get("instance_id") or write.event.payload.get("to_instance_id")
+            if b is not None and b.host == host:
+                b.version, b.position = stored.stream_version, max(b.position, stored.position or 0)
+            return
+        raise RuntimeError(f"session {write.session_id} could not be bound: its stream keeps changing")
 
     async def release_idle(self, idle_s: Callable[[str], float | None]) -> int:
         """Release the sessions this replica served that have been idle longer than their alias's `idle_s`."""
@@ -153,12 +215,13 @@ class Sessions:
             try:
                 await self.store.append(stream_of(session_id), [event], expected_version=version)
             except ConcurrencyError:
-                continue  # another replica moved or used it meanwhile
+                continue  # another replica moved or used it meanwhile (or its binding is still being written)
             self._drop(session_id)
             released += 1
         return released
 
     async def run_releases(self, idle_s: Callable[[str], float | None], stop: asyncio.Event, every_s: float) -> None:
+        outage = Outage("releasing idle sessions", log)
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), every_s)
@@ -166,8 +229,10 @@ class Sessions:
                 pass
             try:
                 await self.release_idle(idle_s)
-            except Exception:
-                log.exception("releasing idle sessions failed; trying again")
+            except Exception as exc:
+                outage.failed(exc)
+            else:
+                outage.succeeded()
 
     # ------------------------------------------------------------------ internals
 

@@ -10,11 +10,17 @@ take it out again.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import orjson
+
+if TYPE_CHECKING:
+    from services.gateway.resume import StreamTranscript
 
 _CONTENT_KEYS = (b'"content":"', b'"text":"', b'"content": "', b'"text": "')
 _USAGE_KEYS = (b'"usage":{', b'"usage": {')
 _EVENT_END = b"\n\n"
+_DONE = b"data: [DONE]"
 
 Usage = tuple[int, int]
 """(prompt tokens, completion tokens)."""
@@ -47,11 +53,18 @@ def usage_of_body(body: bytes) -> Usage | None:
 
 
 class EventScanner:
-    """Cuts an upstream SSE byte stream into whole events, counting content and taking out usage."""
+    """Cuts an upstream SSE byte stream into whole events, counting content and taking out usage.
 
-    def __init__(self, keep_usage: bool) -> None:
+    With a `transcript`, every whole event goes through it first (it notes what the
+    client is sent, and rewrites the events of a stream carried on elsewhere).
+    """
+
+    def __init__(self, keep_usage: bool, transcript: "StreamTranscript | None" = None) -> None:
         self.keep_usage = keep_usage
+        self.transcript = transcript
         self.usage: Usage | None = None
+        self.ended = False
+        """The stream's `data: [DONE]` went through."""
         self._partial = b""
 
     def feed(self, data: bytes) -> tuple[bytes, int]:
@@ -70,7 +83,15 @@ class EventScanner:
         events, self._partial = self._partial, b""
         return self._scan(events) if events else (b"", 0)
 
+    def drop_partial(self) -> None:
+        """Forget an event cut short: its stream broke, and the client never saw any of it."""
+        self._partial = b""
+
     def _scan(self, events: bytes) -> tuple[bytes, int]:
+        if self.transcript is not None:
+            events = self.transcript.relay(events)
+        if _DONE in events:
+            self.ended = True
         chunks = content_chunks(events)
         if any(key in events for key in _USAGE_KEYS):
             events = self._take_usage(events)

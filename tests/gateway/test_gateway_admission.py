@@ -106,6 +106,23 @@ async def test_a_full_queue_answers_429_and_a_wait_past_the_queue_timeout_408(tm
     assert metric(text, "modelpool:request_queue_time_seconds_count", alias=ALIAS, outcome="timeout") == 1
 
 
+async def test_a_refused_client_keeps_its_connection_as_long_as_the_openai_sdk_would_reuse_it(facts, gateways):
+    """An SDK sends its next request on an idle connection until its keep-alive expiry (httpx's 5 s); had the
+    gateway closed the connection by then, a request meeting the close would be reset, unanswered."""
+    await facts.alias()
+    gateway = await gateways.start(pool(queue_size=0))  # nothing runs and nothing may wait: every request is a 429
+    refused, connections = [], []
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30, limits=httpx.Limits(keepalive_expiry=60)) as client:
+        for idle_s in (0, httpx.Limits().keepalive_expiry + 1):
+            await asyncio.sleep(idle_s)
+            refused.append(await client.post("/v1/chat/completions", json=CHAT))
+            connections.append(refused[-1].extensions["network_stream"].get_extra_info("client_addr"))
+    for response in refused:
+        assert response.status_code == 429 and int(response.headers["retry-after"]) >= 1
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+    assert connections[1] == connections[0]  # the same connection, still open
+
+
 async def test_a_client_that_leaves_the_queue_gives_up_its_place(tmp_path, facts, gateways):
     engine = await serving_engine(tmp_path, facts, capacity=1)
     try:

@@ -61,10 +61,13 @@ async def test_an_engine_503_is_retried_once_on_another_instance_of_the_same_bac
             engine.stop()
 
 
-async def test_an_engine_dying_mid_stream_is_an_error_event_the_sdk_raises_and_is_not_retried(tmp_path, facts, gateways):
-    dying, spare = (start_engine(tmp_path, "vllm", ALIAS, "--speedup", "1") for _ in range(2))
+async def test_an_engine_dying_mid_stream_is_carried_on_by_another_instance_else_ends_with_an_error_event(
+        tmp_path, facts, gateways):
+    dying, spare, last = (start_engine(tmp_path, "vllm", ALIAS, "--speedup", "1") for _ in range(3))
+    long_stream = dict(model=ALIAS, messages=[{"role": "user", "content": "go"}], max_tokens=2000, stream=True,
+                       extra_body={"ignore_eos": True})
     try:
-        wait_healthy([dying, spare])
+        wait_healthy([dying, spare, last])
         await facts.alias()
         await facts.running("v-dying", dying, SLOW)
         await facts.route(R.VLLM_PRIMARY)
@@ -72,27 +75,45 @@ async def test_an_engine_dying_mid_stream_is_an_error_event_the_sdk_raises_and_i
         sdk = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
         received = []
         try:
-            stream = await sdk.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "go"}],
-                                                       max_tokens=2000, stream=True, extra_body={"ignore_eos": True})
+            # Another instance of the backend takes the rest of the stream: the client reads one whole answer.
+            stream = await sdk.chat.completions.create(**long_stream, stream_options={"include_usage": True})
+            async for chunk in stream:
+                received.append(chunk)
+                if len(received) == 1:  # the stream is on v-dying; from now on it has somewhere to go
+                    await facts.running("v-spare", spare, SLOW)
+                    await gateway.caught_up()
+                if len(received) == 3:
+                    kill(dying)
+            content = [c for c in received if c.choices and c.choices[0].delta.content]
+            assert len(content) == 2000 and received[-2].choices[0].finish_reason == "length"
+            assert {c.id for c in received} == {received[0].id}  # one stream, as the client sees it
+            assert [c.choices[0].delta.role for c in received if c.choices and c.choices[0].delta.role] == ["assistant"]
+            assert received[-1].usage.completion_tokens == 2000
+            async with httpx.AsyncClient(timeout=10) as client:
+                assert await prompt_tokens(client, spare.url) > 2  # it was given the text so far to go on from
+
+            # Alone in its backend, a dying instance's stream ends with an error event the SDK raises.
+            received.clear()
+            await facts.instance("v-spare", SLOW, I.DRAINING)
+            await facts.instance("v-dying", SLOW, I.ERROR)
+            await facts.running("v-last", last, SLOW)
+            await gateway.caught_up()
+            stream = await sdk.chat.completions.create(**long_stream)
             with pytest.raises(openai.APIError) as raised:
                 async for chunk in stream:
                     received.append(chunk)
-                    if len(received) == 1:  # the stream is on v-dying; from now on a retry would have somewhere to go
-                        await facts.running("v-spare", spare, SLOW)
-                        await gateway.caught_up()
                     if len(received) == 3:
-                        kill(dying)
+                        kill(last)
         finally:
             await sdk.close()
         assert len(received) >= 3 and "stream" in raised.value.message
-        async with httpx.AsyncClient(timeout=10) as client:
-            assert await prompt_tokens(client, spare.url) == 0
         text = await gateway.metrics()
-        assert metric(text, "modelpool:retries_total", alias=ALIAS, backend="vllm", reason="refused") == 0
+        assert metric(text, "modelpool:retries_total", alias=ALIAS, backend="vllm", reason="resumed") == 1
         assert metric(text, "modelpool:requests_total", alias=ALIAS, backend="vllm", outcome="engine_error") == 1
+        assert metric(text, "modelpool:requests_total", alias=ALIAS, backend="vllm", outcome="ok") == 1
     finally:
-        spare.stop()
-        dying.stop()
+        for engine in (dying, spare, last):
+            engine.stop()
 
 
 async def test_a_whole_answer_broken_midway_is_a_502_and_a_silent_engine_times_out(tmp_path, facts, gateways):
@@ -107,7 +128,7 @@ async def test_a_whole_answer_broken_midway_is_a_502_and_a_silent_engine_times_o
             # 1.2 s of generation before the engine sends a byte: past the read timeout.
             silent = await client.post("/v1/chat/completions", json=LONG)
             assert silent.status_code == 502 and silent.json()["error"]["code"] == "instance_failed"
-            assert "silent longer than the read timeout" in silent.json()["error"]["message"]
+            assert "went silent past its timeout" in silent.json()["error"]["message"]
 
             async def stopped() -> bool:
                 return await engine_running(client, dying.url) == 0
@@ -129,3 +150,31 @@ async def test_a_whole_answer_broken_midway_is_a_502_and_a_silent_engine_times_o
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == "instance_failed"
     finally:
         dying.stop()
+
+
+async def test_a_stream_whose_instance_is_silent_past_the_first_byte_timeout_is_answered_by_another(
+        tmp_path, facts, gateways):
+    hung, healthy = (start_engine(tmp_path, "vllm", ALIAS, "--speedup", "10") for _ in range(2))
+    try:
+        wait_healthy([hung, healthy])
+        await facts.alias(router={"plugin": "round-robin"})
+        await facts.running("v-hung", hung, SLOW)
+        await facts.running("v-healthy", healthy, SLOW)
+        await facts.route(R.VLLM_PRIMARY)
+        gateway = await gateways.start(pool(first_byte_timeout_s=1.0))
+        os.killpg(hung.proc.pid, signal.SIGSTOP)  # accepts connections (the kernel does), answers nothing
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            answers = []
+            for _ in range(4):  # round-robin: every other one is sent to the silent instance first
+                began = asyncio.get_running_loop().time()
+                answer = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+                answers.append((answer, asyncio.get_running_loop().time() - began))
+        assert all(a.status_code == 200 and a.text.rstrip().endswith("data: [DONE]") for a, _ in answers)
+        assert {a.headers["x-modelpool-instance"] for a, _ in answers} == {"v-healthy"}
+        assert max(seconds for _, seconds in answers) < 1.0 + 3  # the timeout, then the other instance's answer
+        assert metric(await gateway.metrics(), "modelpool:retries_total", alias=ALIAS, backend="vllm",
+                      reason="broke") >= 1
+    finally:
+        os.killpg(hung.proc.pid, signal.SIGCONT)
+        for engine in (hung, healthy):
+            engine.stop()

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from gateway_support import ALIAS, FAST, SLOW, start_engine, start_llama_engine, wait_healthy
+from helpers import eventually
 from shared.contracts.backends import EngineKind
 from shared.contracts.states import RoutingState as R
 
@@ -18,6 +19,14 @@ def chat(*turns: str, system: str | None = None, **extra) -> dict:
     messages = [{"role": "system", "content": system}] if system else []
     messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
     return {"model": ALIAS, "messages": messages, "max_tokens": 2, **extra}
+
+
+async def all_recorded(store, sessions: list[str]) -> bool:
+    return all([await session_events(store, s) for s in sessions])
+
+
+async def events_are(store, session_id: str, expected: list[str]) -> bool:
+    return await session_events(store, session_id) == expected
 
 
 async def session_events(store, session_id: str) -> list[str]:
@@ -73,9 +82,13 @@ async def test_a_session_is_bound_once_and_every_later_turn_follows_it_without_w
             await client.post("/v1/chat/completions", json=chat("hi" + later, user="bob"))
             await client.post("/v1/chat/completions", json=chat("task: sort a list", "ok", "next" + later,
                                                               system="you are a coder"))
-    assert await session_events(store, "user:bob") == ["SessionBound"]
-    prefixed = [e for e in await store.of_type("SessionBound") if "/prefix:" in e.payload["session_id"]]
-    assert len(prefixed) == 1
+    await eventually(lambda: events_are(store, "user:bob", ["SessionBound"]), timeout=5)  # written behind the requests
+
+    async def prefixed():
+        return [e for e in await store.of_type("SessionBound") if "/prefix:" in e.payload["session_id"]]
+
+    await eventually(prefixed, timeout=5)
+    assert len(await prefixed()) == 1
 
 
 async def test_two_replicas_binding_the_same_new_sessions_at_once_end_with_one_binding_each(two_vllm, gateways, store):
@@ -88,10 +101,19 @@ async def test_two_replicas_binding_the_same_new_sessions_at_once_end_with_one_b
             assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
             return {a.headers["x-modelpool-instance"] for a in answers}
 
+        # The first requests go where each replica chose (bindings are written behind the requests)...
+        await asyncio.gather(*(both(f"race-{i}") for i in range(20)))
+
+        await eventually(lambda: all_recorded(store, [f"race-{i}" for i in range(20)]), timeout=10)
+        for i in range(20):
+            assert await session_events(store, f"race-{i}") == ["SessionBound"]  # one binding won
+        await first.caught_up()
+        await second.caught_up()
+        # ...and from then on the loser follows the winner.
         placed = await asyncio.gather(*(both(f"race-{i}") for i in range(20)))
-    assert all(len(hosts) == 1 for hosts in placed), placed  # the loser followed the winner
-    for i in range(20):
-        assert await session_events(store, f"race-{i}") == ["SessionBound"]
+    assert all(len(hosts) == 1 for hosts in placed), placed
+    bound = {e.payload["session_id"]: e.payload["instance_id"] for e in await store.of_type("SessionBound")}
+    assert all(hosts == {bound[f"{ALIAS}/race-{i}"]} for i, hosts in enumerate(placed))
 
 
 async def test_a_hot_host_moves_the_session_to_a_less_loaded_instance_and_the_move_is_recorded(facts, gateways, store,
@@ -172,11 +194,7 @@ async def test_an_idle_session_is_released_and_placed_anew(engines, facts, gatew
     gateway = await gateways.start()
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
         await client.post("/v1/chat/completions", json=chat("hi"), headers={"x-session-id": "idle"})
-        for _ in range(100):
-            if await session_events(store, "idle") == ["SessionBound", "SessionReleased"]:
-                break
-            await asyncio.sleep(0.05)
-        assert await session_events(store, "idle") == ["SessionBound", "SessionReleased"]
+        await eventually(lambda: events_are(store, "idle", ["SessionBound", "SessionReleased"]), timeout=5)
         await gateway.caught_up()
         await client.post("/v1/chat/completions", json=chat("back"), headers={"x-session-id": "idle"})
-    assert await session_events(store, "idle") == ["SessionBound", "SessionReleased", "SessionBound"]
+    await eventually(lambda: events_are(store, "idle", ["SessionBound", "SessionReleased", "SessionBound"]), timeout=5)

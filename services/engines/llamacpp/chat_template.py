@@ -30,10 +30,22 @@ class ChatTemplate:
         self._bos = bos_token
         self._eos = eos_token
 
-    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        return self._template.render(
+    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> str:
+        """The prompt for `messages`; `continue_final_message` leaves the last one open, to be written on
+        (as vLLM does: the template's text after the final message's content is cut off)."""
+        if continue_final_message and not messages[-1].get("content"):
+            return self.render(messages[:-1])  # nothing written yet: an assistant turn, opened
+        text = self._template.render(
             messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
             bos_token=self._bos,
             eos_token=self._eos,
         )
+        if continue_final_message:
+            final = str(messages[-1].get("content") or "")
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise jinja2.exceptions.TemplateError("the final message's text is not in the rendered prompt")
+            text = text[: end + len(final)]
+        return text

@@ -204,7 +204,8 @@ class EngineAPI:
                                       param=f"messages[{index}].content", code="unsupported_content")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            text = self.template().render(messages)
+            text = self.template().render(messages, add_generation_prompt=body.add_generation_prompt,
+                                          continue_final_message=body.continue_final_message)
         except Exception as exc:  # jinja raises on role orders the template refuses
             raise bad_request(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
         return self._tokenize(text)
