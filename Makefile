@@ -40,6 +40,7 @@ bench: install
 	$(BIN)/python bench/llamacpp_engine.py
 	$(BIN)/python bench/controller.py
 	$(BIN)/python bench/pool.py
+	$(BIN)/python bench/chaos.py
 
 clean:
 	rm -rf $(VENV)

@@ -29,8 +29,12 @@ CONTROL_SERVICES = ("relay", "projector", "placement", "autoscaler", "gateway")
 
 
 class Process:
-    def __init__(self, name: str, command: str, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, name: str, command: str, env: dict[str, str], log_path: Path,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.name = name
+        self.command = command
+        self.extra_env = extra_env or {}
+        """What this process's environment adds to the pool's (restarted the same way)."""
         self.log_path = log_path
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", command], env=env, stdout=self._log,
@@ -52,7 +56,10 @@ class Process:
             os.killpg(self.proc.pid, signal.SIGKILL)
             return self.proc.wait()
         finally:
-            self._log.close()
+            self.close()
+
+    def close(self) -> None:
+        self._log.close()
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -101,16 +108,36 @@ class LocalPool:
             time.sleep(0.2)
         return self
 
-    def start_service(self, name: str) -> Process:
-        process = Process(name, name, self.env, self.workdir / f"{name}.log")
+    def start_service(self, name: str, command: str | None = None, env: dict[str, str] | None = None) -> Process:
+        """Start `modelpool <command>` (default: `name`) as `name`; it writes whether it reaches its servers
+        to `<workdir>/<name>.health.json` (`modelpool health --file ...` reads it)."""
+        full_env = {**self.env, **(env or {}), "MODELPOOL_HEALTH_FILE": str(self.health_file(name))}
+        process = Process(name, command or name, full_env, self.workdir / f"{name}.log", env)
         self.processes[name] = process
         return process
 
+    def health_file(self, name: str) -> Path:
+        return self.workdir / f"{name}.health.json"
+
     def start_worker(self, worker_id: str) -> Process:
-        env = {**self.env, "MODELPOOL_WORKER_ID": worker_id, **self.worker_settings[worker_id]}
-        process = Process(f"worker-{worker_id}", "worker", env, self.workdir / f"worker-{worker_id}.log")
-        self.processes[process.name] = process
-        return process
+        return self.start_service(f"worker-{worker_id}", "worker",
+                                  {"MODELPOOL_WORKER_ID": worker_id, **self.worker_settings[worker_id]})
+
+    def start_gateway_replica(self) -> int:
+        """Another gateway on a port of its own (the pool's gateways share nothing but the log); its port."""
+        n = sum(name.startswith("gateway") for name in self.processes) + 1
+        port = free_port()
+        self.start_service(f"gateway-{n}", "gateway", {"MODELPOOL_GATEWAY_PORT": str(port),
+                                                       "MODELPOOL_GATEWAY_ID": f"gateway-{n}"})
+        return port
+
+    def restart(self, name: str) -> Process:
+        """Start a service that exited (or was killed) again, as it was started."""
+        old = self.processes.pop(name)
+        if old.alive:
+            raise RuntimeError(f"{name} is still running")
+        old.close()
+        return self.start_service(name, old.command, old.extra_env)
 
     def stop_service(self, name: str, sig: int = signal.SIGTERM) -> int | None:
         return self.processes.pop(name).signal(sig)

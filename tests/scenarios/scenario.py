@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -95,21 +93,6 @@ async def steady_load(url: str, alias: str, tally: Requests, *, concurrency: int
                     await asyncio.sleep(rng.uniform(0, think_s))
 
         await asyncio.gather(*(client_loop(k) for k in range(concurrency)))
-
-
-def engine_pid(endpoint: str) -> int:
-    """The pid of the engine process serving `endpoint` (found by its --port on the command line)."""
-    port = endpoint.rsplit(":", 1)[1]
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"engine" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
-            return int(entry)
-    raise LookupError(f"no engine process listens on {endpoint}")
 
 
 def instance_rows(events) -> dict[str, dict[str, Any]]:

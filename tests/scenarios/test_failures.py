@@ -7,7 +7,9 @@ import os
 import signal
 
 from helpers import eventually
-from scenario import Requests, engine_pid, history, instance_rows, steady_load
+from scenario import Requests, history, instance_rows, steady_load
+
+from services.ops.chaos import engine_pid
 
 POOL = """
 aliases:
