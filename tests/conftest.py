@@ -17,7 +17,7 @@ import secrets
 import socket
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -29,11 +29,34 @@ from shared.bus.jetstream import connect, ensure_streams
 from shared.bus.subjects import Subjects
 from shared.contracts.events import event_registry
 from shared.eventlog.db import create_engine, migrate_async
+from shared.contracts.messages import Registry
+from shared.eventlog.memory import MemoryEventStore
+from shared.eventlog.postgres import PostgresEventStore
 from shared.eventlog.store import EventStore, make_store
 from shared.settings import Settings
 from shared.telemetry import Telemetry
 
 sys.path.insert(0, os.path.dirname(__file__))  # for `helpers`
+
+# What a test needs, told by markers (`pyproject.toml`): `make test-fast` runs those that need none of
+# them. A test that uses the servers is marked by its fixtures; the rest are marked by where they live.
+PROCESS_TESTS = ("chaos", "scenarios", "ops", "gateway", "engines_simulated", "test_worker", "test_services",
+                 "test_history_plot", "test_agentic")
+"""Directories and modules whose tests start processes: services, engines, servers of their own."""
+MODEL_TESTS = ("engines_llamacpp",)
+"""Directories whose tests load the real model (SmolLM2 on llama.cpp)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = {part.removesuffix(".py") for part in item.path.parts}
+        if "servers" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.servers)
+        if parts.intersection(PROCESS_TESTS) or any(p.startswith("test_worker") for p in parts):
+            item.add_marker(pytest.mark.processes)
+        if parts.intersection(MODEL_TESTS):
+            item.add_marker(pytest.mark.model)
+
 
 LOCAL_DATABASE_URL = "postgresql://127.0.0.1:5432/test"
 LOCAL_NATS_URL = "nats://127.0.0.1:4222"
@@ -162,3 +185,33 @@ async def bus(settings: Settings) -> AsyncIterator[Bus]:
 @pytest.fixture
 def telemetry() -> Telemetry:
     return Telemetry("modelpool-tests")
+
+
+# --------------------------------------------------------------------------- the log, in Postgres or in memory
+
+
+@pytest.fixture(params=[pytest.param("postgres", marks=pytest.mark.servers), "memory"])
+def log_kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def any_store(log_kind, request) -> EventStore:
+    """A fresh, empty log of each kind (the Postgres one in this test's own schema)."""
+    if log_kind == "memory":
+        return MemoryEventStore(event_registry())
+    return request.getfixturevalue("store")
+
+
+@pytest.fixture
+def writer_of(any_store) -> Callable[[Registry | None], EventStore]:
+    """Another writer of the same log, as another process would be (optionally built with other contracts)."""
+
+    def make(registry: Registry | None = None) -> EventStore:
+        registry = registry or any_store.registry
+        if isinstance(any_store, MemoryEventStore):
+            return MemoryEventStore(registry, any_store.log)
+        assert isinstance(any_store, PostgresEventStore)
+        return PostgresEventStore(any_store.engine, registry, notify_channel=any_store.notify_channel)
+
+    return make

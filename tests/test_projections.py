@@ -264,3 +264,13 @@ async def test_a_failed_projection_write_does_not_fold_events_twice(store, monke
     async with store.engine.connect() as conn:
         stored = (await conn.execute(text("SELECT migrations FROM proj_sessions WHERE session_id = 's1'"))).scalar_one()
     assert stored == 1
+
+
+async def test_the_read_models_fold_the_same_from_either_log(any_store):
+    await record_a_day(any_store)
+    rows, last, count = await rebuild(any_store, ALL_PROJECTIONS)
+    assert last == await any_store.head_position() and count == last
+    routing = rows["routing"][ALIAS]
+    assert routing["state"] == "MIXED" and routing["mix_weight"] == 0.5 and routing["targets"] == {"llama.cpp": 2, "vllm": 1}
+    assert set(rows["instances"]) == {"f1", "v1"} and rows["instances"]["f1"]["capacity"] == 4
+    assert rows["sessions"]["s1"]["instance_id"] == "v1" and rows["workers"]["w2"]["status"] == "lost"

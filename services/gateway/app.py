@@ -48,7 +48,7 @@ from services.gateway.edge import (
     unexpected_error,
 )
 from services.gateway.kv_moves import KVMove, move_kv
-from services.gateway.meter import Meter, Outcome, RequestTrace, outcome_of
+from services.gateway.meter import Meter, RequestOutcome, RequestTrace, outcome_of
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.prompts import SESSION_HEADER, read_prompt
@@ -156,7 +156,7 @@ def instance_failed(instance_id: str, exc: BaseException) -> APIError:
 class Refused(Exception):
     """The request cannot be served: what the client is told, and how it counts."""
 
-    def __init__(self, error: APIError, outcome: Outcome) -> None:
+    def __init__(self, error: APIError, outcome: RequestOutcome) -> None:
         super().__init__(error.body.error.message)
         self.error = error
         self.outcome = outcome
@@ -285,13 +285,13 @@ class Exchange:
                 await work
 
     async def _run(self, send: Send) -> None:
-        outcome = Outcome.LEFT  # unless something below says otherwise, we were cancelled: the client is gone
+        outcome = RequestOutcome.LEFT  # unless something below says otherwise, we were cancelled: the client is gone
         with self._span() as span:
             try:
                 outcome = await self._serve(send)
             except Exception as exc:
                 log.exception("request for %s failed in the gateway", self.alias)
-                outcome = Outcome.GATEWAY_ERROR
+                outcome = RequestOutcome.GATEWAY_ERROR
                 with contextlib.suppress(Exception):
                     await self._refuse(send, internal_error(f"gateway failure: {exc!r}"))
             finally:
@@ -306,15 +306,15 @@ class Exchange:
         return telemetry.tracer.start_as_current_span("gateway.request", context=context, kind=SpanKind.SERVER,
                                                       attributes={"modelpool.alias": self.alias, "http.route": self.path})
 
-    async def _finish(self, outcome: Outcome, span: Span | None) -> None:
+    async def _finish(self, outcome: RequestOutcome, span: Span | None) -> None:
         gateway, trace = self.gateway, self.trace
         trace.finished(outcome, self.usage)
         backend = trace.backend.value if trace.backend else "none"
         gateway.metrics.request(self.alias, backend, outcome.value, self.status)
-        if outcome is Outcome.OK and trace.backend is not None:
+        if outcome is RequestOutcome.OK and trace.backend is not None:
             gateway.metrics.served(self.alias, backend, trace.ttft_s, trace.ended - trace.arrived, trace.tpot_s)
         if self.slot is not None:
-            if self.usage is not None and outcome is Outcome.OK:
+            if self.usage is not None and outcome is RequestOutcome.OK:
                 gateway.router.tokens.observe(self.alias, self.ask.prompt.size_bytes, self.usage[0])
                 if self.slot.binds:
                     gateway.sessions.seen(self.ask.prompt.session_id, self.usage[0] + self.usage[1])
@@ -328,7 +328,7 @@ class Exchange:
         if span is not None:
             span.set_attributes({"modelpool.outcome": outcome.value, "modelpool.backend": backend,
                                  "http.response.status_code": self.status or 0, "modelpool.instance": instance or ""})
-            if outcome not in (Outcome.OK, Outcome.CLIENT_ERROR, Outcome.LEFT):
+            if outcome not in (RequestOutcome.OK, RequestOutcome.CLIENT_ERROR, RequestOutcome.LEFT):
                 span.set_status(Status(StatusCode.ERROR, outcome.value))
         if not access_log.isEnabledFor(logging.INFO):
             return
@@ -345,7 +345,7 @@ class Exchange:
         }
         access_log.info("%s", orjson.dumps(record).decode())
 
-    async def _serve(self, send: Send) -> Outcome:
+    async def _serve(self, send: Send) -> RequestOutcome:
         try:
             self.slot = await self._place(send)
             self.trace.dispatched(self.slot.backend)
@@ -357,7 +357,7 @@ class Exchange:
             await self._refuse(send, too_many_requests(
                 f"{full}; the queue of `{self.alias}` is full, retry after {full.retry_after_s:.0f} s",
                 full.retry_after_s))
-            return Outcome.QUEUE_FULL
+            return RequestOutcome.QUEUE_FULL
         return await self._relay(send, self.upstream, self.head)
 
     async def _place(self, send: Send) -> Slot:
@@ -419,9 +419,9 @@ class Exchange:
                         outcome = "timeout"
                         raise Refused(request_timeout(
                             f"no slot on an instance of `{self.alias}` freed within {budget:g} s (queue timeout); "
-                            "retry later"), Outcome.QUEUE_TIMEOUT)
+                            "retry later"), RequestOutcome.QUEUE_TIMEOUT)
                     outcome = "expired"
-                    raise Refused(alias_starting(self.alias, waited), Outcome.HOLD_EXPIRED)
+                    raise Refused(alias_starting(self.alias, waited), RequestOutcome.HOLD_EXPIRED)
                 # Woken early by a slot; otherwise at the deadline or the next keep-alive, to look again.
                 slot = await gateway.admission.wait(waiter, min(remaining, keepalive_s))
                 if slot is not None:
@@ -470,8 +470,8 @@ class Exchange:
                 if reason == "refused":
                     raise Refused(service_unavailable(
                         f"no {slot.backend.value} instance of `{self.alias}` took the connection; retry shortly",
-                        code="instance_unreachable"), Outcome.UNREACHABLE)
-                raise Refused(instance_failed(slot.instance_id, failure), Outcome.ENGINE_ERROR) from failure
+                        code="instance_unreachable"), RequestOutcome.UNREACHABLE)
+                raise Refused(instance_failed(slot.instance_id, failure), RequestOutcome.ENGINE_ERROR) from failure
             if response is not None:
                 response.close()
             gateway.metrics.retried(self.alias, slot.backend.value, reason or "refused")
@@ -530,7 +530,7 @@ class Exchange:
             self.gateway.telemetry.inject(headers)  # traceparent: the engine's spans join the request's trace
         return headers
 
-    async def _relay(self, send: Send, response: aiohttp.ClientResponse, head: bytes) -> Outcome:
+    async def _relay(self, send: Send, response: aiohttp.ClientResponse, head: bytes) -> RequestOutcome:
         instance = self.slot.instance  # type: ignore[union-attr]
         status = response.status
         self.engine = response.headers.get(ENGINE_HEADER, instance["engine"])
@@ -563,7 +563,7 @@ class Exchange:
                 (b"x-modelpool-backend", instance["backend_type"].encode()),
                 (ENGINE_HEADER.encode(), (self.engine or instance["engine"]).encode())]
 
-    async def _relay_events(self, send: Send, response: aiohttp.ClientResponse, head: bytes) -> Outcome:
+    async def _relay_events(self, send: Send, response: aiohttp.ClientResponse, head: bytes) -> RequestOutcome:
         """Relay a stream's events as they come; one that breaks midway is carried on by another instance of
         the backend from where the client is (`resume.py`), while attempts are left; else it ends with an error event."""
         transcript, trace, clock = self.transcript, self.trace, self.gateway.clock
@@ -589,7 +589,7 @@ class Exchange:
                 failure = exc
             response = await self._carry_on(send, failure, scanner)
             if response is None:
-                return Outcome.ENGINE_ERROR
+                return RequestOutcome.ENGINE_ERROR
             self.upstream, head = response, self.head
         self.read_whole = scanner.ended
         if not scanner.ended:
@@ -599,7 +599,7 @@ class Exchange:
             trace.content(chunks, clock())
         self.usage = scanner.usage
         await self._send(send, rest if scanner.ended else rest + SSE_DONE, more=False)
-        return Outcome.OK
+        return RequestOutcome.OK
 
     async def _carry_on(self, send: Send, failure: BaseException, scanner: EventScanner) -> aiohttp.ClientResponse | None:
         """The stream broke: the rest of it from another instance of the backend, or None after an error event."""

@@ -104,7 +104,7 @@ class AliasMeter:
         return window
 
 
-class Outcome(str, Enum):
+class RequestOutcome(str, Enum):
     """How a request ended, for the windows and the request counters."""
 
     OK = "ok"
@@ -124,16 +124,16 @@ class Outcome(str, Enum):
     LEFT = "client_left"
 
 
-ENGINE_FAILURES = (Outcome.ENGINE_ERROR, Outcome.UNREACHABLE)
-GATEWAY_FAILURES = (Outcome.HOLD_EXPIRED, Outcome.QUEUE_FULL, Outcome.QUEUE_TIMEOUT, Outcome.GATEWAY_ERROR)
+ENGINE_FAILURES = (RequestOutcome.ENGINE_ERROR, RequestOutcome.UNREACHABLE)
+GATEWAY_FAILURES = (RequestOutcome.HOLD_EXPIRED, RequestOutcome.QUEUE_FULL, RequestOutcome.QUEUE_TIMEOUT, RequestOutcome.GATEWAY_ERROR)
 
 
-def outcome_of(status: int) -> Outcome:
+def outcome_of(status: int) -> RequestOutcome:
     if status < 400:
-        return Outcome.OK
+        return RequestOutcome.OK
     if status in (408, 429) or status >= 500:
-        return Outcome.ENGINE_ERROR
-    return Outcome.CLIENT_ERROR
+        return RequestOutcome.ENGINE_ERROR
+    return RequestOutcome.CLIENT_ERROR
 
 
 class RequestTrace:
@@ -182,7 +182,7 @@ class RequestTrace:
         self.last_content = now
         self.content_chunks += chunks
 
-    def finished(self, outcome: Outcome, usage: tuple[int, int] | None) -> None:
+    def finished(self, outcome: RequestOutcome, usage: tuple[int, int] | None) -> None:
         """`usage` is (prompt tokens, completion tokens) when the engine said; else content chunks count as decode tokens."""
         meter, backend = self.meter, self.backend
         self.ended = self.clock()
@@ -194,7 +194,7 @@ class RequestTrace:
         meter.answered[backend] += 1
         if outcome in ENGINE_FAILURES:
             meter.errors[backend] += 1
-        elif outcome is Outcome.OK:
+        elif outcome is RequestOutcome.OK:
             meter.e2e[backend].record(self.ended - self.arrived)
         if usage is not None:
             meter.prefill_tokens += usage[0]

@@ -117,7 +117,9 @@ class OwnServers:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class ClientRequest:
+    """One request as its client saw it: when, whether it got a whole answer, and if not, what it got."""
+
     alias: str
     started: float
     ended: float
@@ -129,22 +131,22 @@ class Outcome:
 
 @dataclass
 class LoadReport:
-    outcomes: list[Outcome]
+    requests: list[ClientRequest]
 
-    def between(self, start: float, end: float) -> list[Outcome]:
+    def between(self, start: float, end: float) -> list[ClientRequest]:
         """Requests in flight at some moment of [start, end] (monotonic seconds): sent before its end, ended after
         its start."""
-        return [o for o in self.outcomes if o.started <= end and o.ended >= start]
+        return [o for o in self.requests if o.started <= end and o.ended >= start]
 
     def during(self, injected: "Injected", settle_s: float = SETTLE_S) -> dict[str, Any]:
         """Requests in flight from the fault's start until `settle_s` after its return, counted."""
         return self.count(self.between(injected.began, injected.returned + settle_s))
 
     @staticmethod
-    def count(outcomes: list[Outcome]) -> dict[str, Any]:
-        failed = [o for o in outcomes if not o.ok]
-        return {"sent": len(outcomes), "failed": len(failed),
-                "errors": dict(Counter(o.detail for o in failed).most_common(5))}
+    def count(requests: list[ClientRequest]) -> dict[str, Any]:
+        failed = [r for r in requests if not r.ok]
+        return {"sent": len(requests), "failed": len(failed),
+                "errors": dict(Counter(r.detail for r in failed).most_common(5))}
 
 
 class Load:
@@ -164,7 +166,7 @@ class Load:
         self.max_tokens = max_tokens
         self.sessions_every = sessions_every
         self.timeout_s = timeout_s
-        self.outcomes: list[Outcome] = []
+        self.requests: list[ClientRequest] = []
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._next_gateway = itertools.cycle(range(len(gateways)))
@@ -177,7 +179,7 @@ class Load:
         self._stop.set()
         assert self._task is not None
         await self._task
-        return LoadReport(list(self.outcomes))
+        return LoadReport(list(self.requests))
 
     async def _run(self) -> None:
         timeout = httpx.Timeout(connect=5.0, read=self.timeout_s, write=10.0, pool=None)
@@ -191,10 +193,10 @@ class Load:
             alias = self.aliases[(k + n) % len(self.aliases)]
             # A client keeps a session for a few requests, then starts another: new sessions keep coming.
             session = f"client{k}-session{n // self.sessions_every}"
-            self.outcomes.append(await self.one(client, alias, session, stream=n % 2 == 0))
+            self.requests.append(await self.one(client, alias, session, stream=n % 2 == 0))
             n += 1
 
-    async def one(self, client: httpx.AsyncClient, alias: str, session: str, *, stream: bool) -> Outcome:
+    async def one(self, client: httpx.AsyncClient, alias: str, session: str, *, stream: bool) -> ClientRequest:
         body = {"model": alias, "max_tokens": self.max_tokens, "stream": stream,
                 "messages": [{"role": "user", "content": f"Tell me about lighthouses ({session})."}]}
         started = time.monotonic()
@@ -210,15 +212,15 @@ class Load:
                 if tried < 2 * len(self.gateways):  # nothing was sent: the balancer tries the next replica
                     await asyncio.sleep(0.05)
                     continue
-                return Outcome(alias, started, time.monotonic(), False, stream, f"connect: {exc!r}"[:120], gateway)
+                return ClientRequest(alias, started, time.monotonic(), False, stream, f"connect: {exc!r}"[:120], gateway)
             except httpx.HTTPError as exc:
-                return Outcome(alias, started, time.monotonic(), False, stream, f"broken: {type(exc).__name__}", gateway)
+                return ClientRequest(alias, started, time.monotonic(), False, stream, f"broken: {type(exc).__name__}", gateway)
             ended = time.monotonic()
             if response.status_code != 200:
-                return Outcome(alias, started, ended, False, stream, f"http {response.status_code}: {text[:100]}", gateway)
+                return ClientRequest(alias, started, ended, False, stream, f"http {response.status_code}: {text[:100]}", gateway)
             if stream and ('"error"' in text or not text.rstrip().endswith("data: [DONE]")):
-                return Outcome(alias, started, ended, False, stream, f"stream: {text[-100:]}", gateway)
-            return Outcome(alias, started, ended, True, stream, "", gateway)
+                return ClientRequest(alias, started, ended, False, stream, f"stream: {text[-100:]}", gateway)
+            return ClientRequest(alias, started, ended, True, stream, "", gateway)
 
 
 # --------------------------------------------------------------------------- the pool under test
@@ -391,7 +393,7 @@ class ChaosPool:
                 raise TimeoutError(f"{what}: not within {timeout_s:g} s; logs in {self.workdir}")
             await asyncio.sleep(0.2)
 
-    async def probe(self, alias: str, timeout_s: float = 60.0) -> tuple[float, Outcome]:
+    async def probe(self, alias: str, timeout_s: float = 60.0) -> tuple[float, ClientRequest]:
         """One request for a cold alias, sent now: (wall time its first instance was recorded STARTING — the
         controller decided and a worker carried it out — , the request's outcome)."""
         sent = time.time()

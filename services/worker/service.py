@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from nats.errors import Error as NatsError
 
 from shared.bus.telemetry import TelemetryBus
-from shared.contracts.backends import Action, BackendType, EngineKind, Outcome, Role, substitute, supports
+from shared.contracts.backends import Action, BackendType, EngineKind, CommandOutcome, Role, substitute, supports
 from shared.contracts.commands import (
     DeleteInstance,
     DrainInstance,
@@ -203,13 +203,13 @@ class Worker:
 
     async def handle(self, envelope: Envelope, command: InstanceCommand) -> None:
         if command.worker_id != self.worker_id:
-            await self._outcome(envelope, command, Outcome.REJECTED, f"addressed to worker {command.worker_id}")
+            await self._outcome(envelope, command, CommandOutcome.REJECTED, f"addressed to worker {command.worker_id}")
             return
         action = command.ACTION
         if not supports(command.backend_type, action):
             alternative = "+".join(a.value for a in substitute(command.backend_type, action)) or "none"
             await self._outcome(
-                envelope, command, Outcome.UNSUPPORTED,
+                envelope, command, CommandOutcome.UNSUPPORTED,
                 f"{command.backend_type.value} does not support {action.value} (substitute: {alternative})",
             )
             return
@@ -230,7 +230,7 @@ class Worker:
             try:
                 await execute[type(command)](envelope, command)
             except IllegalTransition as exc:
-                await self._outcome(envelope, command, Outcome.REJECTED, str(exc))
+                await self._outcome(envelope, command, CommandOutcome.REJECTED, str(exc))
 
     async def _handled(self, envelope: Envelope) -> bool:
         for marker in ("accepted", "outcome"):
@@ -250,7 +250,7 @@ class Worker:
         try:
             process = await self.launcher.launch(cmd)
         except EngineError as exc:
-            await self._transition(inst, S.ERROR, f"start failed: {exc}", envelope, outcome=(Outcome.FAILED, str(exc)))
+            await self._transition(inst, S.ERROR, f"start failed: {exc}", envelope, outcome=(CommandOutcome.FAILED, str(exc)))
             return
         inst.process, inst.endpoint = process, process.endpoint
         self._spawn(self._watch(inst, process))
@@ -274,13 +274,13 @@ class Worker:
             if failure is None and not process.alive:
                 failure = f"engine exited with code {process.exit_code} as it became healthy"
             if failure is None:
-                await self._transition(inst, S.RUNNING, "engine healthy", envelope, outcome=(Outcome.OK, inst.endpoint or ""))
+                await self._transition(inst, S.RUNNING, "engine healthy", envelope, outcome=(CommandOutcome.OK, inst.endpoint or ""))
                 return
             # The exit code only of an engine that exited by itself; one that never got healthy is stopped here.
             exit_code = None if process.alive else process.exit_code
             await process.stop()
             inst.process = None
-            await self._transition(inst, S.ERROR, f"start failed: {failure}", envelope, outcome=(Outcome.FAILED, failure),
+            await self._transition(inst, S.ERROR, f"start failed: {failure}", envelope, outcome=(CommandOutcome.FAILED, failure),
                                    exit_code=exit_code, log_tail=process.log_tail())
 
     async def _watch(self, inst: Instance, process: EngineProcess) -> None:
@@ -346,11 +346,11 @@ class Worker:
         try:
             await call(inst.process)
         except Exception as exc:  # whatever the engine answered, the outcome records it
-            await self._outcome(envelope, cmd, Outcome.FAILED, str(exc))
+            await self._outcome(envelope, cmd, CommandOutcome.FAILED, str(exc))
             return
         inst.sleep_level = sleep_level
         await self._transition(inst, target, cmd.reason or f"{cmd.ACTION.value} requested", envelope,
-                               outcome=(Outcome.OK, ""))
+                               outcome=(CommandOutcome.OK, ""))
 
     async def _engine_gone(self, inst: Instance, cause: Envelope | None, why: str | None = None) -> None:
         """Record that an instance's engine process is gone, by legal transitions only:
@@ -362,7 +362,7 @@ class Worker:
             await process.stop()  # reaps it and closes its HTTP client
             exit_code, log_tail = process.exit_code, process.log_tail()
             reason = why or f"engine exited with code {exit_code}"
-        failed = (Outcome.FAILED, reason)
+        failed = (CommandOutcome.FAILED, reason)
         if instance_transition_allowed(inst.backend_type, inst.state, S.ERROR):
             await self._transition(inst, S.ERROR, reason, cause, outcome=failed, exit_code=exit_code, log_tail=log_tail)
             return
@@ -388,7 +388,7 @@ class Worker:
                 break
             await asyncio.sleep(self.drain_poll_s)
         detail = "drained" if remaining == 0 else f"drain timed out with {remaining} requests in flight"
-        await self._outcome(envelope, cmd, Outcome.OK if remaining == 0 else Outcome.FAILED, detail)
+        await self._outcome(envelope, cmd, CommandOutcome.OK if remaining == 0 else CommandOutcome.FAILED, detail)
 
     async def _delete(self, envelope: Envelope, cmd: DeleteInstance) -> None:
         """Also cancels a start: the background start then finds its process gone and records nothing."""
@@ -398,19 +398,19 @@ class Worker:
         if inst.process is not None:
             await inst.process.stop()
             inst.process = None
-        await self._transition(inst, S.ABSENT, "engine stopped, resources released", envelope, outcome=(Outcome.OK, ""))
+        await self._transition(inst, S.ABSENT, "engine stopped, resources released", envelope, outcome=(CommandOutcome.OK, ""))
         self.instances.pop(inst.instance_id, None)
 
     async def _probe(self, envelope: Envelope, cmd: ProbeInstance) -> None:
         inst = self.instances.get(cmd.instance_id)
         if inst is None:
-            await self._outcome(envelope, cmd, Outcome.OK, "ABSENT")
+            await self._outcome(envelope, cmd, CommandOutcome.OK, "ABSENT")
             return
         detail = inst.state.value
         if inst.process is not None and inst.process.alive and inst.state is S.RUNNING:
             with contextlib.suppress(Exception):  # the state alone is still an answer
                 detail += f", inflight {await inst.process.inflight()}"
-        await self._outcome(envelope, cmd, Outcome.OK, detail)
+        await self._outcome(envelope, cmd, CommandOutcome.OK, detail)
 
     # ------------------------------------------------------------------ status reports
 
@@ -505,7 +505,7 @@ class Worker:
         cause: Envelope | None,
         *,
         marker: str | None = None,
-        outcome: tuple[Outcome, str] | None = None,
+        outcome: tuple[CommandOutcome, str] | None = None,
         exit_code: int | None = None,
         log_tail: str | None = None,
     ) -> None:
@@ -527,14 +527,14 @@ class Worker:
         inst.state = to_state
         inst.error = reason if to_state is S.ERROR else None
 
-    def _outcome_envelope(self, cause: Envelope, instance_id: str, alias: str, action: Action, outcome: Outcome, detail: str) -> Envelope:
+    def _outcome_envelope(self, cause: Envelope, instance_id: str, alias: str, action: Action, outcome: CommandOutcome, detail: str) -> Envelope:
         return Envelope.wrap(
             InstanceCommandCompleted(command_id=cause.id, instance_id=instance_id, alias=alias, worker_id=self.worker_id,
                                      action=action, outcome=outcome, detail=detail),
             causation=cause, id=derived_id(cause.id, "outcome"),
         )
 
-    async def _outcome(self, cause: Envelope, cmd: InstanceCommand, outcome: Outcome, detail: str) -> None:
+    async def _outcome(self, cause: Envelope, cmd: InstanceCommand, outcome: CommandOutcome, detail: str) -> None:
         envelope = self._outcome_envelope(cause, cmd.instance_id, cmd.alias, cmd.ACTION, outcome, detail)
         await self._append(f"instance:{cmd.instance_id}", [envelope])
 

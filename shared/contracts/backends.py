@@ -55,7 +55,7 @@ class Action(str, Enum):
     STATUS = "status"
 
 
-class Outcome(str, Enum):
+class CommandOutcome(str, Enum):
     """What became of an instance command."""
 
     OK = "ok"

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.contracts.backends import Action, BackendType, EngineKind, Outcome, Role
+from shared.contracts.backends import Action, BackendType, EngineKind, CommandOutcome, Role
 from shared.contracts.config import AliasConfig
 from shared.contracts.control import AliasSnapshot, Decision, MetricWindow
 from shared.contracts.messages import Event, Registry
@@ -307,7 +307,7 @@ class InstanceCommandCompleted(Event):
     alias: str
     worker_id: str
     action: Action
-    outcome: Outcome
+    outcome: CommandOutcome
     detail: str = ""
 
     def stream_key(self) -> str:

@@ -23,7 +23,7 @@ async def assert_healed(chaos: ChaosPool, aliases: list[str], replicas: int, *, 
     fresh = chaos.load(aliases, clients=2)
     await asyncio.sleep(3)
     report = await fresh.stop()
-    counted = report.count(report.outcomes)
+    counted = report.count(report.requests)
     assert counted["sent"] >= 4 and counted["failed"] == 0, counted
 
     consistent = await chaos.consistent()

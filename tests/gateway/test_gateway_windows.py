@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gateway_support import FAST, SLOW, EngineProcess, start_engine, wait_healthy
-from services.gateway.meter import AliasMeter, Outcome, RequestTrace
+from services.gateway.meter import AliasMeter, RequestOutcome, RequestTrace
 from services.gateway.sse import EventScanner
 from shared.contracts.states import RoutingState as R
 from shared.contracts.telemetry import GatewayWindow, LogHistogram, merge_windows
@@ -57,7 +57,7 @@ def test_inflight_and_queue_are_exact_time_averages_and_carry_into_the_next_wind
     b.dispatched(FAST)  # 0.5 .. 2.5 on llama.cpp
     clock.now += 1.0
     a.content(1, clock.now)
-    a.finished(Outcome.OK, (10, 4))
+    a.finished(RequestOutcome.OK, (10, 4))
     meter.add_held(-1)
     held.dispatched(SLOW)  # 1.5 .. on vLLM
     clock.now += 0.5
@@ -70,7 +70,7 @@ def test_inflight_and_queue_are_exact_time_averages_and_carry_into_the_next_wind
     assert first.e2e_fast_s.n == 1 and first.e2e_fast_s.maximum == pytest.approx(1.5)
 
     clock.now += 0.5
-    b.finished(Outcome.ENGINE_ERROR, None)
+    b.finished(RequestOutcome.ENGINE_ERROR, None)
     clock.now += 1.5
     second = meter.close("g", "a", t0 + timedelta(seconds=2), t0 + timedelta(seconds=4))
     assert second.arrivals == 0 and second.requests_fast == 1 and second.errors_fast == 1
