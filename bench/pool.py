@@ -52,7 +52,7 @@ from sqlalchemy import text
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.ops.load import quantile, read_stream  # noqa: E402
-from services.ops.localpool import LocalPool  # noqa: E402
+from services.cluster.localpool import LocalPool  # noqa: E402
 from services.ops.timeline import plot_history  # noqa: E402
 from shared.bus.jetstream import connect, ensure_streams  # noqa: E402
 from shared.bus.subjects import Subjects  # noqa: E402

@@ -23,7 +23,7 @@ from scipy.stats import ks_2samp
 
 from lab.config import LabSettings
 from lab.results import run
-from services.ops.localpool import LocalPool
+from services.cluster.localpool import LocalPool
 from services.ops.trace_replay import Replay
 from shared.contracts.config import PoolConfig
 from shared.contracts.trace import TraceRequest

@@ -35,7 +35,7 @@ from policy import decide
 from routing.backends import backend_order, taking_new
 from routing.registry import build_scheduler
 from routing.scheduler import Endpoint, RoutingRequest, SessionState
-from services.placement.scoring import Placed, Request, WorkerView, place
+from policy.placement import Placed, PlacementRequest, WorkerView, place
 from shared.contracts.backends import Action, BackendType, EngineKind, Role
 from shared.contracts.config import AliasConfig, PolicySettings
 from shared.contracts.control import (
@@ -497,7 +497,7 @@ class Cluster:
                             instances=tuple(Placed(i, self.alias.alias, self.instances[i].backend,
                                                    self.instances[i].model.memory_gb) for i in ids))
                  for w, ids in self.workers.items()]
-        placed = place(Request(self.alias.alias, a.backend, EngineKind.SIMULATOR, model.memory_gb), views)
+        placed = place(PlacementRequest(self.alias.alias, a.backend, EngineKind.SIMULATOR, model.memory_gb), views)
         if placed.worker_id is None:
             self.start_failures[a.backend] = StartFailure(a.instance_id, _at(now), placed.reason)
             return

@@ -7,7 +7,8 @@ imports nothing but `shared.contracts`: the autoscaler service, `replay
 code. The alias's policy (`hybrid.py`, `heteroscale.py`, `baselines.py`)
 proposes; the shared rules (`rules.py`) bound and pace every policy's proposal
 the same way; `reconcile.py` turns the plan into ordered commands with ids
-derived from the decision. Every threshold the
+derived from the decision; `placement.py` is the placement service's choice
+of a worker for a new instance (seed 000 §7). Every threshold the
 controller compares against is read here, from the snapshot's settings, and
 nowhere else.
 """

@@ -13,14 +13,14 @@ from shared.contracts.config import ConfigError
 
 # command -> (module, help). The module exposes `main(argv: list[str]) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("services.ops.up", "start the local cluster on the embedded default (or NATS_URL / DATABASE_URL)"),
+    "up": ("services.cluster.up", "start the local cluster on the embedded default (or NATS_URL / DATABASE_URL)"),
     "migrate": ("services.ops.migrate", "apply the database migrations"),
     "gateway": ("services.gateway.main", "run the gateway service"),
     "autoscaler": ("services.autoscaler.main", "run the autoscaler service"),
     "placement": ("services.placement.main", "run the placement service"),
     "worker": ("services.worker.main", "run a worker service"),
-    "relay": ("services.ops.relay", "run the outbox relay (event log -> bus)"),
-    "projector": ("services.ops.projector", "keep the read models in Postgres up to date with the log"),
+    "relay": ("services.relay.main", "run the outbox relay (event log -> bus)"),
+    "projector": ("services.projector.main", "keep the read models in Postgres up to date with the log"),
     "status": ("services.ops.status", "show workers, aliases, routing states and instances"),
     "health": ("services.ops.health", "a service's health check, from its MODELPOOL_HEALTH_FILE (containers)"),
     "history": ("services.ops.history", "show an alias's timeline from the event log"),

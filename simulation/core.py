@@ -33,7 +33,7 @@ from enum import Enum
 from simulation.prefix_cache import PrefixCache
 
 
-class RequestState(str, Enum):
+class SimRequestState(str, Enum):
     WAITING = "WAITING"
     RUNNING = "RUNNING"
     SWAPPED = "SWAPPED"
@@ -124,7 +124,7 @@ class SimRequest:
     decode_length: int
     prefix_hashes: tuple[int, ...] = ()
     # --- managed by DecodeSystem ---
-    state: RequestState = RequestState.WAITING
+    state: SimRequestState = SimRequestState.WAITING
     decoded: int = 0  # current decode position
     max_decoded: int = 0  # highest position ever reached (tokens the client has seen)
     prefilled: int = 0  # prompt tokens whose KV is computed (== prefill_length in pure-decode mode)
@@ -264,7 +264,7 @@ class DecodeSystem:
 
     def members(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
         """(WAITING in queue order, RUNNING in entry order, SWAPPED in priority order). O(n)."""
-        waiting = tuple(r.request_id for r in self._waiting if not r.cancelled and r.state is RequestState.WAITING)
+        waiting = tuple(r.request_id for r in self._waiting if not r.cancelled and r.state is SimRequestState.WAITING)
         running = tuple(self._running)
         swapped = tuple(r.request_id for _, _, r in sorted(self._swapped, key=lambda e: e[:2]) if not r.cancelled)
         return waiting, running, swapped
@@ -287,7 +287,7 @@ class DecodeSystem:
                 f"request {request.request_id!r} needs {request.prefill_length + request.decode_length} "
                 f"tokens of KV memory, more than M_total={self.params.M_total}"
             )
-        request.state = RequestState.WAITING
+        request.state = SimRequestState.WAITING
         request.order = next(self._order)
         request.prefilled = 0 if self.params.prefill else request.prefill_length
         self._requests[request.request_id] = request
@@ -300,17 +300,17 @@ class DecodeSystem:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        if req.state is RequestState.RUNNING:
+        if req.state is SimRequestState.RUNNING:
             del self._running[request_id]
             if self._lru is not None:
                 self._lru.pop(request_id, None)
             self._memory -= req.footprint
-        elif req.state is RequestState.WAITING:
+        elif req.state is SimRequestState.WAITING:
             self._n_waiting -= 1
-        elif req.state is RequestState.SWAPPED:
+        elif req.state is SimRequestState.SWAPPED:
             self._n_swapped -= 1
         req.cancelled = True
-        req.state = RequestState.COMPLETED
+        req.state = SimRequestState.COMPLETED
         self.counters["cancelled"] += 1
         return True
 
@@ -411,7 +411,7 @@ class DecodeSystem:
                 del lru[req.request_id]
             del self._requests[req.request_id]
             self._memory -= req.footprint
-            req.state = RequestState.COMPLETED
+            req.state = SimRequestState.COMPLETED
             req.completion_time = end
         counters["completed"] += len(finished)
         return self._result(
@@ -456,7 +456,7 @@ class DecodeSystem:
         q = self._waiting
         while q:
             head = q[0]
-            if not head.cancelled and head.state is RequestState.WAITING:
+            if not head.cancelled and head.state is SimRequestState.WAITING:
                 return head
             q.popleft()
         return None
@@ -465,7 +465,7 @@ class DecodeSystem:
         h = self._swapped
         while h:
             head = h[0][2]
-            if not head.cancelled and head.state is RequestState.SWAPPED:
+            if not head.cancelled and head.state is SimRequestState.SWAPPED:
                 return head
             heapq.heappop(h)
         return None
@@ -533,7 +533,7 @@ class DecodeSystem:
         self.counters["prefix_cache_hits"] += req.cached_tokens
 
     def _enter_running(self, req: SimRequest, now: float) -> None:
-        req.state = RequestState.RUNNING
+        req.state = SimRequestState.RUNNING
         req.enter_running_time = now
         if req.first_enter_running_time is None:
             req.first_enter_running_time = now
@@ -617,12 +617,12 @@ class DecodeSystem:
         self._memory -= req.footprint
         self.counters["preemptions"] += 1
         if self.params.mode is PreemptionMode.SWAP:
-            req.state = RequestState.SWAPPED
+            req.state = SimRequestState.SWAPPED
             req.swapped_at = now
             req.swap_count += 1
             self.counters["swap_out"] += 1
         else:
-            req.state = RequestState.WAITING
+            req.state = SimRequestState.WAITING
             req.wasted_tokens += req.decoded
             self.counters["wasted_tokens"] += req.decoded
             self.counters["sacrifices"] += 1
@@ -635,7 +635,7 @@ class DecodeSystem:
             return
         sacrificed = []
         for v in victims:
-            if v.state is RequestState.SWAPPED:
+            if v.state is SimRequestState.SWAPPED:
                 heapq.heappush(self._swapped, (v.arrival_time, v.order, v))
                 self._n_swapped += 1
             else:

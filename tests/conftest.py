@@ -79,7 +79,7 @@ class Servers:
 
 
 def _start_embedded(stack: ExitStack, need_pg: bool, need_nats: bool) -> tuple[str | None, str | None]:
-    from services.ops.embedded import EmbeddedNats, EmbeddedPostgres
+    from services.cluster.embedded import EmbeddedNats, EmbeddedPostgres
 
     root = tempfile.mkdtemp(prefix="modelpool-test-servers-")
     pg = stack.enter_context(EmbeddedPostgres(os.path.join(root, "pg"))) if need_pg else None

@@ -149,7 +149,7 @@ def test_health_is_judged_on_freshness_and_how_long_a_server_has_been_away():
 
 
 async def test_a_services_links_are_probed_written_for_its_health_check_and_notice_a_lost_server(settings, tmp_path):
-    from services.ops.embedded import EmbeddedNats
+    from services.cluster.embedded import EmbeddedNats
 
     health_file = tmp_path / "relay.health.json"
     links = ServerLinks("relay", str(health_file))

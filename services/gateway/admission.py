@@ -64,7 +64,7 @@ class AliasQueue:
     """Sends the alias's demand signals while any of its requests waits."""
 
 
-class QueueFull(Exception):
+class AliasQueueFull(Exception):
     def __init__(self, alias: str, waiting: int, retry_after_s: float) -> None:
         super().__init__(f"{waiting} requests of `{alias}` are already waiting")
         self.retry_after_s = retry_after_s
@@ -86,7 +86,7 @@ class Admission:
         self.queues: dict[str, AliasQueue] = {}
 
     def admit(self, alias: str, ask: Ask = NO_PROMPT) -> Slot | Waiter:
-        """A slot now, or a place at the end of the alias's queue; `QueueFull` when the queue is full."""
+        """A slot now, or a place at the end of the alias's queue; `AliasQueueFull` when the queue is full."""
         queue = self.queues.get(alias)
         # Nobody waits ahead of this request, or those who do wait for their session's instance only.
         if queue is None or not queue.waiters or self.router.scheduler(alias).per_session:
@@ -96,7 +96,7 @@ class Admission:
         if queue is None:
             queue = self.queues[alias] = AliasQueue(alias)
         if len(queue.waiters) >= self.queue_size:
-            raise QueueFull(alias, len(queue.waiters), self.retry_after_s(queue))
+            raise AliasQueueFull(alias, len(queue.waiters), self.retry_after_s(queue))
         waiter = Waiter(alias, ask, self.clock(), asyncio.get_running_loop().create_future())
         queue.waiters.append(waiter)
         self.meter.of(alias).add_held(1)

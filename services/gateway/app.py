@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from services.gateway.admission import Admission, QueueFull, Waiter
+from services.gateway.admission import Admission, AliasQueueFull, Waiter
 from services.gateway.edge import (
     CHAT,
     COMPLETIONS,
@@ -353,7 +353,7 @@ class Exchange:
         except Refused as refused:
             await self._refuse(send, refused.error)
             return refused.outcome
-        except QueueFull as full:
+        except AliasQueueFull as full:
             await self._refuse(send, too_many_requests(
                 f"{full}; the queue of `{self.alias}` is full, retry after {full.retry_after_s:.0f} s",
                 full.retry_after_s))

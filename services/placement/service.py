@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from nats.js import JetStreamContext
 
-from services.placement.scoring import Decision, Placed, Request, WorkerView, place
+from policy.placement import Placed, PlacementChoice, PlacementRequest, WorkerView, place
 from shared.bus.jetstream import publish
 from shared.bus.subjects import Subjects
 from shared.contracts.backends import BackendType, EngineKind
@@ -88,14 +88,14 @@ class Placement:
                 if await self.store.contains(derived_id(envelope.id, "failed")):
                     return
                 await self.view.catch_up()
-                request = Request(cmd.alias, cmd.backend_type, cmd.engine, cmd.gpu_memory_gb)
+                request = PlacementRequest(cmd.alias, cmd.backend_type, cmd.engine, cmd.gpu_memory_gb)
                 # What was stored wins: a copy of this request handled elsewhere first
                 # may have chosen another worker.
                 decided = await self._record(envelope, cmd, place(request, self.workers()))
             if decided is not None:
                 await self._send_start(envelope, cmd, decided.payload["worker_id"])
 
-    async def _record(self, envelope: Envelope, cmd: PlaceInstance, decision: Decision) -> Envelope | None:
+    async def _record(self, envelope: Envelope, cmd: PlaceInstance, decision: PlacementChoice) -> Envelope | None:
         """Record the decision; return the stored PlacementDecided, or None if placement failed."""
         common = dict(request_id=cmd.request_id, alias=cmd.alias, backend_type=cmd.backend_type, instance_id=cmd.instance_id)
         requested = Envelope.wrap(PlacementRequested(**common, gpu_memory_gb=cmd.gpu_memory_gb, reason=cmd.reason),

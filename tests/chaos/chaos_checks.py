@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.ops.chaos import ChaosPool
+from services.cluster.chaos import ChaosPool
 
 
 async def _well(chaos: ChaosPool) -> bool:

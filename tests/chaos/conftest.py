@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # for `chaos_checks`
 
-from services.ops.chaos import ChaosPool  # noqa: E402
+from services.cluster.chaos import ChaosPool  # noqa: E402
 
 # Short timings, so a 10 s outage is longer than a worker's heartbeat timeout and a hang is found in seconds.
 CHAOS_ENV = {

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from chaos_checks import assert_healed
 
-from services.ops.chaos import SETTLE_S, engine_pid, pool_yaml
-from services.ops.embedded import is_alive
+from services.cluster.chaos import SETTLE_S, engine_pid, pool_yaml
+from services.cluster.embedded import is_alive
 
 
 @pytest.mark.parametrize("service", ["relay", "projector", "placement", "autoscaler"])

@@ -12,7 +12,7 @@ import pytest
 from chaos_checks import assert_healed
 
 from helpers import eventually
-from services.ops.chaos import OwnServers, pool_yaml
+from services.cluster.chaos import OwnServers, pool_yaml
 
 ROUTERS = {f"warm-{plugin}": plugin for plugin in ("round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear")}
 

@@ -35,9 +35,9 @@ def make_server() -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def backend8() -> Iterator[Any]:
     """A bare llama.cpp context with 8 sequences, for tests that drive decode steps by hand."""
-    from services.engines.llamacpp.llama_backend import BackendConfig, LlamaBackend
+    from services.engines.llamacpp.llama_backend import LlamaModelConfig, LlamaBackend
     from services.engines.llamacpp.model_files import default_model_path
 
-    backend = LlamaBackend(BackendConfig(default_model_path(), n_ctx=8 * 512, n_seq_max=8, n_batch=512, threads=THREADS))
+    backend = LlamaBackend(LlamaModelConfig(default_model_path(), n_ctx=8 * 512, n_seq_max=8, n_batch=512, threads=THREADS))
     yield backend
     backend.close()

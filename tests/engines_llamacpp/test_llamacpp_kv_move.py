@@ -12,7 +12,7 @@ import pytest
 
 from llamacpp_helpers import THREADS, chat
 from services.engines.llamacpp.chat_template import ChatTemplate
-from services.engines.llamacpp.llama_backend import BackendConfig, DecodeError, LlamaBackend
+from services.engines.llamacpp.llama_backend import LlamaModelConfig, DecodeError, LlamaBackend
 from services.engines.llamacpp.model_files import default_model_path
 from services.engines.llamacpp.scheduler import SeqWork
 from shared import kv_frames
@@ -33,7 +33,7 @@ def _greedy(backend: LlamaBackend, seq_id: int, first: int, pos0: int) -> tuple[
 
 @pytest.fixture(scope="module")
 def second_backend():
-    backend = LlamaBackend(BackendConfig(default_model_path(), n_ctx=8 * 512, n_seq_max=8, n_batch=512, threads=THREADS))
+    backend = LlamaBackend(LlamaModelConfig(default_model_path(), n_ctx=8 * 512, n_seq_max=8, n_batch=512, threads=THREADS))
     yield backend
     backend.close()
 
@@ -64,7 +64,7 @@ def test_an_imported_sequence_decodes_with_the_same_logits_as_the_unmoved_one(ba
 
 
 def test_llama_cpp_refuses_a_state_from_another_sequence_layout(backend8) -> None:
-    other = LlamaBackend(BackendConfig(default_model_path(), n_ctx=4 * 512, n_seq_max=4, n_batch=512, threads=THREADS))
+    other = LlamaBackend(LlamaModelConfig(default_model_path(), n_ctx=4 * 512, n_seq_max=4, n_batch=512, threads=THREADS))
     try:
         backend8.seq_rm(5, 0)
         backend8.decode([SeqWork(0, 5, [1, 2, 3, 4], 0, False, "prefill")])

@@ -9,17 +9,17 @@ from services.engines.llamacpp.requests import GenerationRequest, RequestState, 
 from services.engines.llamacpp.scheduler import (
     LengthLimitExceeded,
     QueueFull,
-    Scheduler,
+    BatchScheduler,
     SchedulerLimits,
     effective_max_tokens,
 )
 from services.engines.llamacpp.seq_ids import SequenceIdPool
 
 
-def make(n_seq: int = 2, **limits: object) -> Scheduler:
+def make(n_seq: int = 2, **limits: object) -> BatchScheduler:
     base = dict(max_queue=4, max_running=3, max_batch_size=2, batch_tokens=16, request_timeout_s=10.0)
     base.update(limits)
-    return Scheduler(SchedulerLimits(**base), SequenceIdPool(n_seq), KVCacheManager(KVLimits(max_items=1000)))  # type: ignore[arg-type]
+    return BatchScheduler(SchedulerLimits(**base), SequenceIdPool(n_seq), KVCacheManager(KVLimits(max_items=1000)))  # type: ignore[arg-type]
 
 
 def req(rid: int, prompt: list[int] | None = None, at: float = 0.0) -> GenerationRequest:
@@ -233,7 +233,7 @@ def test_short_shared_prefix_is_recomputed_not_copied() -> None:
     assert s.running[1].cached_tokens == 0 and s.running[1].seq_id == 1 and 0 in s.kv
 
 
-def run_to_completion(s: Scheduler, rid: int, prompt: list[int], now: float) -> None:
+def run_to_completion(s: BatchScheduler, rid: int, prompt: list[int], now: float) -> None:
     s.submit(req(rid, prompt, at=now))
     plan = s.schedule(now)
     for w in plan.work:

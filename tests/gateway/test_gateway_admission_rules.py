@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.gateway.admission import Admission, QueueFull, Waiter
+from services.gateway.admission import Admission, AliasQueueFull, Waiter
 from services.gateway.meter import Meter
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import Router, Slot
@@ -60,7 +60,7 @@ async def test_an_instance_takes_its_capacity_and_waiters_get_freed_slots_in_arr
 
     first, second, third = (admission.admit("tiny") for _ in range(3))
     assert all(isinstance(w, Waiter) for w in (first, second, third)) and admission.waiting("tiny") == 3
-    with pytest.raises(QueueFull):
+    with pytest.raises(AliasQueueFull):
         admission.admit("tiny")
 
     on_f2 = next(s for s in slots if s.instance_id == "f2")
@@ -109,7 +109,7 @@ async def test_retry_after_follows_the_rate_the_queue_drains_at():
     admission, _, clock, _ = pool(row("f1", 1), queue_size=4)
     running = admission.admit("tiny")
     waiters = [admission.admit("tiny") for _ in range(4)]
-    with pytest.raises(QueueFull) as refused:
+    with pytest.raises(AliasQueueFull) as refused:
         admission.admit("tiny")
     assert refused.value.retry_after_s == 30.0  # nothing has drained yet: no rate to go by
 
@@ -122,7 +122,7 @@ async def test_retry_after_follows_the_rate_the_queue_drains_at():
         waiter.claimed = True
     more = [admission.admit("tiny") for _ in range(2)]
     clock.now += 0.5
-    with pytest.raises(QueueFull) as refused:
+    with pytest.raises(AliasQueueFull) as refused:
         admission.admit("tiny")
     # 4 waiting; 2 departures in the second since the first of them: 2 a second, so 2 s.
     assert refused.value.retry_after_s == 2

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from services.cli import COMMANDS
-from services.ops.up import SERVICES
+from services.cluster.up import SERVICES
 
 REPO = Path(__file__).resolve().parents[2]
 

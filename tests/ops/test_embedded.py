@@ -16,7 +16,7 @@ import nats
 import pytest
 from ops_processes import alive, descendants, pids_mentioning, wait_gone
 
-from services.ops.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError
+from services.cluster.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServerError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,7 +117,7 @@ def test_servers_die_with_a_parent_killed_by_sigkill(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import sys, time
-        from services.ops.embedded import EmbeddedNats, EmbeddedPostgres
+        from services.cluster.embedded import EmbeddedNats, EmbeddedPostgres
         nats = EmbeddedNats({str(tmp_path / "nats")!r}).start()
         pg = EmbeddedPostgres({str(tmp_path / "pg")!r}).start()
         print(nats.pid, pg.pid, flush=True)
@@ -146,7 +146,7 @@ def test_servers_die_with_a_parent_killed_by_sigkill(tmp_path: Path) -> None:
 def test_a_port_taken_after_it_was_picked_is_replaced_by_another(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    from services.ops import embedded
+    from services.cluster import embedded
 
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))

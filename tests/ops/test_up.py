@@ -21,8 +21,8 @@ import nats
 import pytest
 from ops_processes import alive, cmdline, descendants, pids_mentioning, wait_gone
 
-from services.ops import up
-from services.ops.embedded import EmbeddedNats, EmbeddedPostgres
+from services.cluster import up
+from services.cluster.embedded import EmbeddedNats, EmbeddedPostgres
 from shared.net import free_port
 
 pytestmark = pytest.mark.timeout(180)

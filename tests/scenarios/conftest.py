@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from services.ops.localpool import LocalPool
+from services.cluster.localpool import LocalPool
 
 sys.path.insert(0, os.path.dirname(__file__))  # for `scenario`
 

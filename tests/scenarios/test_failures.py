@@ -9,7 +9,7 @@ import signal
 from helpers import eventually
 from scenario import Requests, history, instance_rows, steady_load
 
-from services.ops.chaos import engine_pid
+from services.cluster.chaos import engine_pid
 
 POOL = """
 aliases:

@@ -11,7 +11,7 @@ from simulation.core import (
     DecodeCost,
     DecodeSystem,
     PreemptionMode,
-    RequestState,
+    SimRequestState,
     SimRequest,
     Strategy,
     SystemParams,
@@ -69,7 +69,7 @@ def test_memory_bound_completion_once_and_conservation(mode, strategy, victim):
     assert set(completions) == {r.request_id for r in requests}
     assert all(c == 1 for c in completions.values())
     for r in requests:
-        assert r.state is RequestState.COMPLETED
+        assert r.state is SimRequestState.COMPLETED
         assert r.decoded == r.decode_length
         # every decode step either survives or was wasted by a sacrifice
         assert decodes[r.request_id] == r.decode_length + r.wasted_tokens
@@ -106,7 +106,7 @@ def test_swap_keeps_progress():
     system, a, b = two_request_system(PreemptionMode.SWAP)
     res, t = step_until_preempted(system)
     assert res.preempted == ("B",)
-    assert b.state is RequestState.SWAPPED
+    assert b.state is SimRequestState.SWAPPED
     assert b.decoded == 5
     decoded_b = 5
     while system.has_work():
@@ -124,7 +124,7 @@ def test_sacrifice_resets_progress():
     assert res.preempted == ("B",)
     assert res.preemptions[0].decode_position == 5
     assert res.preemptions[0].memory_freed == 15
-    assert b.state is RequestState.WAITING and b.decoded == 0
+    assert b.state is SimRequestState.WAITING and b.decoded == 0
     decoded_b = 5
     while system.has_work():
         res = system.step(t)
@@ -182,7 +182,7 @@ def test_lru_victim_is_the_least_recently_executed():
 def test_aggressive_admits_swapped_strictly_before_waiting(strategy):
     system, a, b = two_request_system(PreemptionMode.SWAP, strategy=strategy)
     res, t = step_until_preempted(system)
-    assert b.state is RequestState.SWAPPED
+    assert b.state is SimRequestState.SWAPPED
     # W is small enough to fit next to A at once; B (15 tokens) does not fit until A completes
     w = SimRequest("W", t, 1, 1)
     system.add(w)
@@ -195,7 +195,7 @@ def test_aggressive_admits_swapped_strictly_before_waiting(strategy):
         if "W" in res.admitted:
             admitted_at = res.batch_id
             if strategy is Strategy.AGGRESSIVE:
-                assert b.state is not RequestState.SWAPPED
+                assert b.state is not SimRequestState.SWAPPED
     assert admitted_at is not None and swapped_in_at is not None
     if strategy is Strategy.AGGRESSIVE:
         assert swapped_in_at <= admitted_at

@@ -1,6 +1,6 @@
 """The engine: one decode thread that owns the llama.cpp context and drives the scheduler.
 
-Each loop turn: timeout scan and KV cleanup when due, `Scheduler.schedule`
+Each loop turn: timeout scan and KV cleanup when due, `BatchScheduler.schedule`
 (admission, sequence ids, batch formation), clear released sequences, ONE
 `llama_decode` carrying every sequence's tokens, per-sequence sampling, then
 results back to the scheduler and to each request's event sink. The HTTP edge
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .kv_cache import KVCacheManager, KVLimits
-from .llama_backend import BackendConfig, DecodeError, LlamaBackend, Sampler
+from .llama_backend import LlamaModelConfig, DecodeError, LlamaBackend, Sampler
 from .metrics import EngineMetrics, render_prometheus
 from .model_files import default_model_path
 from .requests import (
@@ -33,7 +33,7 @@ from .requests import (
     TokenEvent,
     Tracked,
 )
-from .scheduler import Scheduler, SchedulerLimits, StepPlan
+from .scheduler import BatchScheduler, SchedulerLimits, StepPlan
 from .seq_ids import SequenceIdPool
 from .settings import EngineSettings
 from .text_stream import TextAssembler
@@ -107,7 +107,7 @@ class LlamaEngine:
         self.step_log: deque[StepRecord] = deque(maxlen=settings.step_log_size or None)
         self._lock = threading.Condition()
         self._ids = itertools.count(1)
-        self._scheduler: Scheduler | None = None
+        self._scheduler: BatchScheduler | None = None
         self._generations: dict[int, _Generation] = {}
         self._ready = threading.Event()
         self._jobs: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
@@ -287,7 +287,7 @@ class LlamaEngine:
     def _load(self) -> None:
         s = self.settings
         backend = LlamaBackend(
-            BackendConfig(self.model_path, n_ctx=s.total_ctx, n_seq_max=s.n_seq_max, n_batch=s.n_batch, threads=s.threads)
+            LlamaModelConfig(self.model_path, n_ctx=s.total_ctx, n_seq_max=s.n_seq_max, n_batch=s.n_batch, threads=s.threads)
         )
         kv = KVCacheManager(
             KVLimits(
@@ -297,7 +297,7 @@ class LlamaEngine:
                 eviction_threshold=s.kv_cache_eviction_threshold,
             )
         )
-        self._scheduler = Scheduler(
+        self._scheduler = BatchScheduler(
             SchedulerLimits(
                 max_queue=s.max_queue,
                 max_running=s.max_running,

@@ -52,7 +52,7 @@ class DecodeError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class BackendConfig:
+class LlamaModelConfig:
     model_path: Path
     n_ctx: int
     n_seq_max: int
@@ -61,7 +61,7 @@ class BackendConfig:
 
 
 class LlamaBackend:
-    def __init__(self, config: BackendConfig) -> None:
+    def __init__(self, config: LlamaModelConfig) -> None:
         _init_llama_backend()
         self.config = config
         mparams = llama.llama_model_default_params()

@@ -121,7 +121,7 @@ class StepPlan:
         return sum(len(w.tokens) for w in self.work)
 
 
-class Scheduler:
+class BatchScheduler:
     def __init__(self, limits: SchedulerLimits, seq_ids: SequenceIdPool, kv: KVCacheManager) -> None:
         self.limits = limits
         self.seq_ids = seq_ids

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TextIO
 
-from services.ops.embedded import (
+from services.cluster.embedded import (
     LOCALHOST,
     EmbeddedNats,
     EmbeddedPostgres,

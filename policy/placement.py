@@ -1,4 +1,4 @@
-"""Choosing a worker for a new instance (seed 000 §7): filter, score, pick.
+"""Choosing a worker for a new instance (seed 000 §7): filter, score, pick — the placement service's decision.
 
     Score = 0.45*S_mem + 0.30*S_anti_backend + 0.20*S_anti_replica - 0.05*S_load
 
@@ -41,7 +41,9 @@ class WorkerView:
 
 
 @dataclass(frozen=True)
-class Request:
+class PlacementRequest:
+    """The instance to place: its alias, backend, engine and the GPU memory it takes."""
+
     alias: str
     backend_type: BackendType
     engine: EngineKind
@@ -49,7 +51,9 @@ class Request:
 
 
 @dataclass(frozen=True)
-class Decision:
+class PlacementChoice:
+    """The chosen worker (None: none can host it), its score and fallback level, and every candidate's score."""
+
     worker_id: str | None
     score: float
     fallback_level: int | None
@@ -57,7 +61,7 @@ class Decision:
     reason: str
 
 
-def score_worker(request: Request, worker: WorkerView) -> CandidateScore:
+def score_worker(request: PlacementRequest, worker: WorkerView) -> CandidateScore:
     if not worker.up:
         return CandidateScore(worker_id=worker.worker_id, feasible=False, note="worker is not up")
     if request.engine not in worker.engines:
@@ -90,12 +94,12 @@ def fallback_level(candidate: CandidateScore) -> int:
     return 3 - satisfied  # 1: both anti-affinities, 2: one, 3: resources only
 
 
-def place(request: Request, workers: Sequence[WorkerView]) -> Decision:
+def place(request: PlacementRequest, workers: Sequence[WorkerView]) -> PlacementChoice:
     candidates = tuple(score_worker(request, w) for w in sorted(workers, key=lambda w: w.worker_id))
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
         reasons = "; ".join(f"{c.worker_id}: {c.note}" for c in candidates) or "no worker registered"
-        return Decision(None, 0.0, None, candidates, f"no worker can host it ({reasons})")
+        return PlacementChoice(None, 0.0, None, candidates, f"no worker can host it ({reasons})")
     best = min(feasible, key=lambda c: (fallback_level(c), -(c.score or 0.0), c.worker_id))
     level = fallback_level(best)
-    return Decision(best.worker_id, best.score or 0.0, level, candidates, f"fallback level {level}")
+    return PlacementChoice(best.worker_id, best.score or 0.0, level, candidates, f"fallback level {level}")

@@ -40,8 +40,8 @@ import httpx
 
 from services.gateway.prompts import SESSION_HEADER
 from services.links import judge_health
-from services.ops.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServer
-from services.ops.localpool import LocalPool
+from services.cluster.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServer
+from services.cluster.localpool import LocalPool
 from shared.net import free_port
 
 SETTLE_S = 5.0
@@ -200,16 +200,15 @@ class Load:
         body = {"model": alias, "max_tokens": self.max_tokens, "stream": stream,
                 "messages": [{"role": "user", "content": f"Tell me about lighthouses ({session})."}]}
         started = time.monotonic()
-        tried = 0
-        while True:
-            gateway = self.gateways[next(self._next_gateway)]
-            tried += 1
+        first = next(self._next_gateway)
+        replicas = self.gateways[first:] + self.gateways[:first]
+        for tried, gateway in enumerate(replicas * 2, start=1):  # every replica, twice, before giving up
             try:
                 async with client.stream("POST", f"{gateway}/chat/completions", json=body,
                                          headers={SESSION_HEADER: session}) as response:
                     text = (await response.aread()).decode(errors="replace")
             except httpx.ConnectError as exc:
-                if tried < 2 * len(self.gateways):  # nothing was sent: the balancer tries the next replica
+                if tried < 2 * len(replicas):  # nothing was sent: the balancer tries the next replica
                     await asyncio.sleep(0.05)
                     continue
                 return ClientRequest(alias, started, time.monotonic(), False, stream, f"connect: {exc!r}"[:120], gateway)

@@ -1,0 +1,1 @@
+"""`modelpool projector`: the read models kept in Postgres (the logic: `shared/projections/projector.py`)."""
