@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 import uuid
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -40,7 +41,9 @@ from services.autoscaler.facts import LiveFacts  # noqa: E402
 from services.autoscaler.snapshot import InstanceViews, build_snapshot  # noqa: E402
 from shared.contracts.config import AliasConfig, PolicySettings  # noqa: E402
 from shared.contracts.control import PolicyState  # noqa: E402
-from shared.contracts.states import RoutingState  # noqa: E402
+from shared.contracts.backends import Action, BackendType, EngineKind  # noqa: E402
+from shared.contracts.states import InstanceState, RoutingState  # noqa: E402
+from shared.projections.rows import ControlRow, InstanceRow, PendingCommandRow, RoutingRow  # noqa: E402
 from shared.contracts.telemetry import (  # noqa: E402
     GatewayWindow,
     HistogramRecorder,
@@ -61,39 +64,46 @@ def alias_config(name: str) -> AliasConfig:
     }})
 
 
+def instance_row(instance_id: str, alias: str, backend: BackendType, worker_id: str, state: InstanceState,
+                 updated_at: datetime) -> InstanceRow:
+    return InstanceRow(instance_id, alias, backend, EngineKind.SIMULATOR, worker_id, state,
+                       {InstanceState.SLEEP_1: 1, InstanceState.SLEEP_2: 2}.get(state, 0), 0,
+                       38 if backend is BackendType.VLLM else 8, None, None, None, "", updated_at)
+
+
 def build_pool(aliases: int, instances: int, rng: random.Random):
     configs = [alias_config(f"model-{n:04d}") for n in range(aliases)]
     per_alias = instances // aliases
-    rows: dict[str, list[dict]] = {}
-    routing: dict[str, dict] = {}
-    control: dict[str, dict] = {}
+    rows: dict[str, list[InstanceRow]] = {}
+    routing: dict[str, RoutingRow] = {}
+    control: dict[str, ControlRow] = {}
     heartbeats: dict[str, list[InstanceStatus]] = {}
+    S = InstanceState
     for n, config in enumerate(configs):
         state = STATES[n % len(STATES)]
-        routing[config.alias] = {"alias": config.alias, "state": state.value, "mix_weight": 0.5 if state is RoutingState.MIXED else 0.0,
-                                 "switched_at": T0 - timedelta(seconds=rng.randint(0, 900)), "targets": {"llama.cpp": 1, "vllm": 1}}
+        routing[config.alias] = RoutingRow(config.alias, state, 0.5 if state is RoutingState.MIXED else 0.0, None,
+                                           T0 - timedelta(seconds=rng.randint(0, 900)), None,
+                                           {BackendType.LLAMA_CPP: 1, BackendType.VLLM: 1}, config, T0)
         alias_rows = []
         for k in range(per_alias):
             slow = k >= per_alias - 3
-            backend = "vllm" if slow else "llama.cpp"
+            backend = BackendType.VLLM if slow else BackendType.LLAMA_CPP
             choice = rng.random()
-            inst_state = "RUNNING" if choice < 0.7 else ("SLEEP_1" if slow and choice < 0.8 else "SLEEP_2" if slow and choice < 0.85
-                                                          else "STARTING" if choice < 0.9 else "DRAINING" if choice < 0.95 else "ERROR")
-            row = {"instance_id": f"{config.alias}-{k}", "alias": config.alias, "backend_type": backend,
-                   "engine": "simulator", "worker_id": f"w{(n * per_alias + k) % 200}", "state": inst_state,
-                   "sleep_level": {"SLEEP_1": 1, "SLEEP_2": 2}.get(inst_state, 0), "capacity": 38 if slow else 8,
-                   "updated_at": T0 - timedelta(seconds=rng.randint(0, 2000))}
+            inst_state = S.RUNNING if choice < 0.7 else (S.SLEEP_1 if slow and choice < 0.8 else S.SLEEP_2 if slow and choice < 0.85
+                                                          else S.STARTING if choice < 0.9 else S.DRAINING if choice < 0.95 else S.ERROR)
+            row = instance_row(f"{config.alias}-{k}", config.alias, backend, f"w{(n * per_alias + k) % 200}", inst_state,
+                               T0 - timedelta(seconds=rng.randint(0, 2000)))
             alias_rows.append(row)
-            heartbeats.setdefault(row["worker_id"], []).append(InstanceStatus(
-                instance_id=row["instance_id"], alias=config.alias, backend_type=backend, engine="simulator",
-                status=inst_state, inflight_requests=rng.randint(0, 6) if inst_state == "RUNNING" else 0,
-                capacity=row["capacity"], last_active_at=T0 - timedelta(seconds=rng.randint(0, 2000))))
+            heartbeats.setdefault(row.worker_id, []).append(InstanceStatus(
+                instance_id=row.instance_id, alias=config.alias, backend_type=backend, engine="simulator",
+                status=inst_state, inflight_requests=rng.randint(0, 6) if inst_state is S.RUNNING else 0,
+                capacity=row.capacity, last_active_at=T0 - timedelta(seconds=rng.randint(0, 2000))))
         rows[config.alias] = alias_rows
         pending = {}
         if n % 7 == 0:
-            pending[str(uuid.uuid4())] = {"action": "start", "backend": "vllm", "instance_id": f"{config.alias}-new",
-                                          "worker_id": None, "level": 0, "issued_at": T0.isoformat(), "acked": True}
-        control[config.alias] = {"alias": config.alias, "version": 10 + n % 5, "pending": pending, "start_failures": {}, "notes": {}}
+            pending[str(uuid.uuid4())] = PendingCommandRow(Action.START, BackendType.VLLM, f"{config.alias}-new", None, 0,
+                                                           T0, True)
+        control[config.alias] = ControlRow(config.alias, version=10 + n % 5, pending=pending)
     return configs, rows, routing, control, heartbeats
 
 
@@ -129,7 +139,7 @@ def tick(configs, rows, routing, control, facts: LiveFacts, states, settings, no
         control_row = control[config.alias]
         snapshot = build_snapshot(
             config=config, settings=settings, routing_row=routing[config.alias], control_row=control_row,
-            instances=views.of(config.alias, rows[config.alias], control_row["notes"]),
+            instances=views.of(config.alias, rows[config.alias], control_row.notes),
             metrics=facts.metrics(config.alias, now), demand=facts.waiting(config.alias, now),
             state=states.get(config.alias) or PolicyState(), views=views,
         )
@@ -139,56 +149,56 @@ def tick(configs, rows, routing, control, facts: LiveFacts, states, settings, no
     return decisions
 
 
-EFFECT = {"wake": "RUNNING", "drain": "DRAINING"}
+EFFECT = {Action.WAKE: InstanceState.RUNNING, Action.DRAIN: InstanceState.DRAINING}
+SLEEP = {1: InstanceState.SLEEP_1, 2: InstanceState.SLEEP_2}
 
 
-def record(routing_row: dict, control_row: dict, alias_rows: list[dict], decision, now: datetime) -> bool:
+def record(routing: dict[str, RoutingRow], control: dict[str, ControlRow], alias_rows: list[InstanceRow], alias: str,
+           decision, now: datetime) -> bool:
     """What the log, the projections and the workers make of a decision before the next tick (not
     timed: it is the append's, the projector's and the workers' work, not the pure part's). True
     when the alias's rows changed, as the log's touched keys tell the autoscaler."""
-    by_id = {r["instance_id"]: r for r in alias_rows}
+    index = {r.instance_id: n for n, r in enumerate(alias_rows)}
+    deleted = set()
     for a in decision.actions:
-        row = by_id.get(a.instance_id)
-        if a.action.value == "start":
-            alias_rows.append({"instance_id": a.instance_id, "alias": routing_row["alias"], "backend_type": a.backend.value,
-                               "engine": "simulator", "worker_id": "w0", "state": "RUNNING", "sleep_level": 0,
-                               "capacity": 38 if a.backend.value == "vllm" else 8, "updated_at": now})
-        elif a.action.value == "delete" and row is not None:
-            alias_rows.remove(row)
-        elif row is not None:
-            row.update(state=EFFECT.get(a.action.value) or f"SLEEP_{a.level}", updated_at=now,
-                       sleep_level=a.level if a.action.value == "sleep" else 0)
+        at = index.get(a.instance_id)
+        if a.action is Action.START:
+            alias_rows.append(instance_row(a.instance_id, alias, a.backend, "w0", InstanceState.RUNNING, now))
+        elif a.action is Action.DELETE and at is not None:
+            deleted.add(at)
+        elif at is not None:
+            state = EFFECT.get(a.action) or SLEEP[a.level]
+            alias_rows[at] = replace(alias_rows[at], state=state, updated_at=now,
+                                     sleep_level=a.level if a.action is Action.SLEEP else 0)
+    alias_rows[:] = [r for n, r in enumerate(alias_rows) if n not in deleted]
+    row = routing[alias]
     if decision.routing:
-        routing_row.update(state=decision.routing.to_state.value, switched_at=now)
-    routing_row["mix_weight"] = decision.mix_weight
-    routing_row["targets"] = {b.value: n for b, n in decision.targets.items()}
-    pending = control_row["pending"]
-    done = [c for c, cmd in pending.items() if now - datetime.fromisoformat(cmd["issued_at"]) > timedelta(seconds=3)]
-    for command_id in done:
-        del pending[command_id]  # commands complete a few seconds after they are sent
+        row = replace(row, state=decision.routing.to_state, switched_at=now)
+    routing[alias] = replace(row, mix_weight=decision.mix_weight, targets=dict(decision.targets))
+    control_row = control[alias]
+    pending = {c: cmd for c, cmd in control_row.pending.items() if now - cmd.issued_at <= timedelta(seconds=3)}
+    done = len(pending) != len(control_row.pending)  # commands complete a few seconds after they are sent
     for a in decision.actions:
-        pending[str(a.command_id)] = {
-            "action": a.action.value, "backend": a.backend.value, "instance_id": a.instance_id,
-            "worker_id": a.worker_id, "level": a.level, "issued_at": now.isoformat(), "acked": True}
-    control_row["version"] += 1 if decision.actions or decision.routing else 0
+        pending[str(a.command_id)] = PendingCommandRow(a.action, a.backend, a.instance_id, a.worker_id, a.level, now, True)
+    control[alias] = replace(control_row, pending=pending,
+                             version=control_row.version + (1 if decision.actions or decision.routing else 0))
     return bool(decision.actions or decision.routing or decision.mix or done)
 
 
-def top_up(rows: dict[str, list[dict]], heartbeats: dict[str, list[InstanceStatus]], per_alias: int, now: datetime,
+def top_up(rows: dict[str, list[InstanceRow]], heartbeats: dict[str, list[InstanceStatus]], per_alias: int, now: datetime,
            serial: itertools.count, changed: set[str]) -> None:
     """Instances that left are replaced by new running ones (untimed), so every tick sees the whole pool."""
     for alias, alias_rows in rows.items():
         while len(alias_rows) < per_alias:
             changed.add(alias)
-            slow = sum(r["backend_type"] == "vllm" for r in alias_rows) < 3
+            slow = sum(r.backend_type is BackendType.VLLM for r in alias_rows) < 3
             n = next(serial)
-            row = {"instance_id": f"{alias}-r{n}", "alias": alias, "backend_type": "vllm" if slow else "llama.cpp",
-                   "engine": "simulator", "worker_id": f"w{n % 200}", "state": "RUNNING", "sleep_level": 0,
-                   "capacity": 38 if slow else 8, "updated_at": now}
+            backend = BackendType.VLLM if slow else BackendType.LLAMA_CPP
+            row = instance_row(f"{alias}-r{n}", alias, backend, f"w{n % 200}", InstanceState.RUNNING, now)
             alias_rows.append(row)
-            heartbeats.setdefault(row["worker_id"], []).append(InstanceStatus(
-                instance_id=row["instance_id"], alias=alias, backend_type=row["backend_type"], engine="simulator",
-                status="RUNNING", inflight_requests=0, capacity=row["capacity"], last_active_at=now))
+            heartbeats.setdefault(row.worker_id, []).append(InstanceStatus(
+                instance_id=row.instance_id, alias=alias, backend_type=backend, engine="simulator",
+                status="RUNNING", inflight_requests=0, capacity=row.capacity, last_active_at=now))
 
 
 def main() -> None:
@@ -220,7 +230,7 @@ def main() -> None:
         changed = set()
         for alias, decision in decisions:
             actions += len(decision.actions)
-            if record(routing[alias], control[alias], rows[alias], decision, now):
+            if record(routing, control, rows[alias], alias, decision, now):
                 changed.add(alias)
         top_up(rows, heartbeats, args.instances // args.aliases, now, serial, changed)
     # The first tick is the one after taking the lead: every view built afresh and the random

@@ -312,7 +312,7 @@ class Cluster:
 
     def _route(self, req: LabRequest, now: float) -> bool:
         """Place `req` on an instance if one may take it now."""
-        order = backend_order(self.routing.value, self.mix_weight, self.rng.random())
+        order = backend_order(self.routing, self.mix_weight, self.rng.random())
         serving = self._serving_by()
         for backend in order:
             role = (Role.DECODE if req.decoding else Role.PREFILL) if (backend, Role.PREFILL) in serving else None

@@ -12,17 +12,20 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from shared.contracts.backends import BackendType
+from shared.contracts.states import RoutingState
 
 FAST, SLOW = BackendType.LLAMA_CPP, BackendType.VLLM
 
+_FAST_ONLY = frozenset({RoutingState.FAST_ONLY, RoutingState.WARMING_VLLM, RoutingState.DEGRADED_FAST})
 
-def backend_order(state: str, mix_weight: float, draw: float) -> tuple[BackendType, ...]:
+
+def backend_order(state: RoutingState, mix_weight: float, draw: float) -> tuple[BackendType, ...]:
     """The backends a request may go to, in the order to try them; `draw` is uniform in [0, 1)."""
-    if state in ("FAST_ONLY", "WARMING_VLLM", "DEGRADED_FAST"):
+    if state in _FAST_ONLY:
         return (FAST,)
-    if state == "MIXED":
+    if state is RoutingState.MIXED:
         return (SLOW, FAST) if draw < mix_weight else (FAST, SLOW)
-    if state == "COLD":
+    if state is RoutingState.COLD:
         return (FAST, SLOW)
     return (SLOW, FAST)  # VLLM_PRIMARY: llama.cpp is the floor
 

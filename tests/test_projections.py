@@ -30,6 +30,9 @@ from shared.contracts.messages import Envelope
 from shared.contracts.states import InstanceState as I, RoutingState as R
 from shared.projections.projector import Projector, rebuild
 from shared.projections.readmodels import ALL_PROJECTIONS
+from shared.projections.rows import WorkerStatus
+
+F, V = BackendType.LLAMA_CPP, BackendType.VLLM
 from services.ops.replay import replay
 
 ALIAS = "qwen3-vl-2b"
@@ -103,15 +106,15 @@ async def test_projector_builds_the_read_models(store, settings):
     assert applied > 0
 
     routing = projector.rows["routing"][ALIAS]
-    assert routing["state"] == "MIXED" and routing["mix_weight"] == 0.5
-    assert routing["switch_reason"] == "vLLM healthy 3 probes" and routing["targets"] == {"llama.cpp": 2, "vllm": 1}
+    assert routing.state is R.MIXED and routing.mix_weight == 0.5
+    assert routing.switch_reason == "vLLM healthy 3 probes" and routing.targets == {F: 2, V: 1}
     instances = projector.rows["instances"]
     assert set(instances) == {"f1", "v1"}  # f2 was deleted: gone, not a ghost
-    assert instances["f1"]["inflight"] == 3 and instances["f1"]["capacity"] == 4
-    assert instances["v1"]["state"] == "RUNNING" and instances["v1"]["sleep_level"] == 0
+    assert instances["f1"].inflight == 3 and instances["f1"].capacity == 4
+    assert instances["v1"].state is I.RUNNING and instances["v1"].sleep_level == 0
     sessions = projector.rows["sessions"]
-    assert set(sessions) == {"s1"} and sessions["s1"]["instance_id"] == "v1" and sessions["s1"]["migrations"] == 1
-    assert projector.rows["workers"]["w2"]["status"] == "lost"
+    assert set(sessions) == {"s1"} and sessions["s1"].instance_id == "v1" and sessions["s1"].migrations == 1
+    assert projector.rows["workers"]["w2"].status is WorkerStatus.LOST
 
     # A restarted projector resumes at its position and finds nothing to do.
     again = Projector(store, store.engine)
@@ -201,7 +204,7 @@ async def test_a_service_loads_the_projection_then_follows_the_log(store, bus, s
     view = LiveView(store, store.engine, [ROUTING, INSTANCES])
     await view.load()
     assert view.position == projector.position
-    assert view[ROUTING][ALIAS]["state"] == "MIXED" and set(view[INSTANCES]) == {"f1", "v1"}
+    assert view[ROUTING][ALIAS].state is R.MIXED and set(view[INSTANCES]) == {"f1", "v1"}
 
     stop = asyncio.Event()
     relay = Relay(store, bus.js, bus.subjects, Telemetry("t"), listen_dsn=settings.asyncpg_dsn, schema=settings.namespace,
@@ -210,7 +213,7 @@ async def test_a_service_loads_the_projection_then_follows_the_log(store, bus, s
     await store.append(f"alias:{ALIAS}", [Envelope.wrap(RoutingStateChanged(
         alias=ALIAS, from_state=R.MIXED, to_state=R.VLLM_PRIMARY, reason="ramp done", mix_weight=1.0, policy="hybrid"))])
     # The slow poll is 30 s: seeing this quickly means the bus woke the view.
-    await eventually(lambda: view[ROUTING][ALIAS]["state"] == "VLLM_PRIMARY", timeout=5)
+    await eventually(lambda: view[ROUTING][ALIAS].state is R.VLLM_PRIMARY, timeout=5)
     stop.set()
     await asyncio.gather(*tasks)
     rebuilt, last, _ = await rebuild(store, [ROUTING, INSTANCES])
@@ -232,7 +235,7 @@ async def test_a_view_tells_a_watcher_which_rows_the_log_touched(store):
         instance_id="v1", alias=ALIAS, backend_type=BackendType.VLLM, engine=EngineKind.SIMULATOR, worker_id="w1",
         from_state=I.RUNNING, to_state=I.DRAINING, reason="idle"))])
     await view.catch_up()
-    assert touched == {"v1"} and view[INSTANCES]["v1"]["state"] == "DRAINING"
+    assert touched == {"v1"} and view[INSTANCES]["v1"].state is I.DRAINING
 
 
 async def test_a_failed_projection_write_does_not_fold_events_twice(store, monkeypatch):
@@ -260,7 +263,7 @@ async def test_a_failed_projection_write_does_not_fold_events_twice(store, monke
     with pytest.raises(ConnectionError):
         await projector.catch_up()
     await projector.catch_up()  # the retry
-    assert projector.rows["sessions"]["s1"]["migrations"] == 1
+    assert projector.rows["sessions"]["s1"].migrations == 1
     async with store.engine.connect() as conn:
         stored = (await conn.execute(text("SELECT migrations FROM proj_sessions WHERE session_id = 's1'"))).scalar_one()
     assert stored == 1
@@ -271,6 +274,6 @@ async def test_the_read_models_fold_the_same_from_either_log(any_store):
     rows, last, count = await rebuild(any_store, ALL_PROJECTIONS)
     assert last == await any_store.head_position() and count == last
     routing = rows["routing"][ALIAS]
-    assert routing["state"] == "MIXED" and routing["mix_weight"] == 0.5 and routing["targets"] == {"llama.cpp": 2, "vllm": 1}
-    assert set(rows["instances"]) == {"f1", "v1"} and rows["instances"]["f1"]["capacity"] == 4
-    assert rows["sessions"]["s1"]["instance_id"] == "v1" and rows["workers"]["w2"]["status"] == "lost"
+    assert routing.state is R.MIXED and routing.mix_weight == 0.5 and routing.targets == {F: 2, V: 1}
+    assert set(rows["instances"]) == {"f1", "v1"} and rows["instances"]["f1"].capacity == 4
+    assert rows["sessions"]["s1"].instance_id == "v1" and rows["workers"]["w2"].status is WorkerStatus.LOST

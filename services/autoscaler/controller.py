@@ -39,7 +39,6 @@ from services.autoscaler.snapshot import InstanceViews, build_snapshot, recorded
 from shared.bus.jetstream import publish
 from shared.bus.subjects import Subjects
 from shared.bus.telemetry import TelemetryBus
-from shared.contracts.backends import Action, BackendType, EngineKind
 from shared.contracts.config import AliasConfig, PoolConfig
 from shared.contracts.control import AliasSnapshot, Decision, PlannedAction, PolicyState
 from shared.contracts.events import AliasConfigured, InstanceStateChanged, WorkerLost
@@ -52,6 +51,7 @@ from shared.eventlog.store import ConcurrencyError, EventStore
 from shared.faults import Outage, describe, retry_until_done
 from shared.projections.live import LiveView
 from shared.projections.readmodels import CONTROL, INSTANCES, ROUTING, WORKERS
+from shared.projections.rows import InstanceRow, WorkerRow
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class Controller:
         self.view = LiveView(store, engine, [ROUTING, INSTANCES, WORKERS, CONTROL])
         self.touched_instances = self.view.watch_keys(INSTANCES)
         self.touched_aliases = self.view.watch_keys(CONTROL)
-        self.rows_by_alias: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+        self.rows_by_alias: dict[str, dict[str, InstanceRow]] = defaultdict(dict)
         """alias -> instance id -> its row in the view, kept up to date from the touched keys."""
         self.alias_of: dict[str, str] = {}
         self.facts = LiveFacts()
@@ -212,9 +212,9 @@ class Controller:
         """Record AliasConfigured for each alias whose configuration is new or changed."""
         recorded = 0
         for alias in self.pool.aliases:
-            current = alias.model_dump(mode="json")
-            if (self.view[ROUTING].get(alias.alias) or {}).get("config") != current:
-                version = (self.view[CONTROL].get(alias.alias) or {}).get("version", 0)
+            routing, control = self.view[ROUTING].get(alias.alias), self.view[CONTROL].get(alias.alias)
+            if routing is None or routing.config != alias:
+                version = control.version if control else 0
                 try:
                     await self.store.append(f"alias:{alias.alias}", [Envelope.wrap(AliasConfigured(alias=alias.alias, config=alias))],
                                             version, headers=self.telemetry.current_headers())
@@ -230,7 +230,7 @@ class Controller:
         now = self.clock()
         await self.view.catch_up()
         await self.watch_workers(now)
-        workers_up = {w for w, row in self.view[WORKERS].items() if row["status"] == "up"}
+        workers_up = {w for w, row in self.view[WORKERS].items() if row.up}
         self.views.begin(self.facts.statuses(), workers_up, self.facts.fresh_workers(now), self.facts.take_changes(),
                          self.index_rows())
         decisions = []
@@ -248,7 +248,7 @@ class Controller:
             await self.apply(config, decision, recorded)
             await self.publish_outlook(snapshot, decision, now)
         await self.resend(now, workers_up)
-        pending = {cid for row in self.view[CONTROL].values() for cid in (row.get("pending") or {})}
+        pending = {cid for row in self.view[CONTROL].values() for cid in row.pending}
         for cid in [c for c in self.sent_at if str(c) not in pending]:
             del self.sent_at[cid]
         self.ticks += 1
@@ -268,9 +268,9 @@ class Controller:
             if row is None:
                 gone.append(instance_id)
                 continue
-            self.alias_of[instance_id] = row["alias"]
-            self.rows_by_alias[row["alias"]][instance_id] = row
-            changed.add(row["alias"])
+            self.alias_of[instance_id] = row.alias
+            self.rows_by_alias[row.alias][instance_id] = row
+            changed.add(row.alias)
         self.touched_instances.clear()
         self.views.forget(gone)
         return changed
@@ -281,7 +281,7 @@ class Controller:
         if state is None:
             state = recorded_state(control)
         instances = self.views.of(config.alias, self.rows_by_alias[config.alias].values(),
-                                  (control or {}).get("notes") or {})
+                                  control.notes if control else {})
         return build_snapshot(
             config=config, settings=self.pool.policy, routing_row=self.view[ROUTING].get(config.alias),
             control_row=control, instances=instances, metrics=self.facts.metrics(config.alias, now),
@@ -333,17 +333,17 @@ class Controller:
             config = configs.get(alias)
             if config is None:
                 continue
-            for command_id, c in (row.get("pending") or {}).items():
-                if c["acked"] or (c["worker_id"] and c["worker_id"] not in workers_up):
+            for command_id, c in row.pending.items():
+                if c.acked or (c.worker_id and c.worker_id not in workers_up):
                     continue
                 cid = uuid.UUID(command_id)
-                last, sends = self.sent_at.get(cid) or (datetime.fromisoformat(c["issued_at"]), 1)
+                last, sends = self.sent_at.get(cid) or (c.issued_at, 1)
                 # Back off while its receiver stays away: 5 s, 10 s, 20 s ... at most a minute.
                 if now - last < timedelta(seconds=min(self.resend_after_s * 2 ** (sends - 1), 60.0)):
                     continue
-                action = PlannedAction(action=Action(c["action"]), backend=BackendType(c["backend"]),
-                                       instance_id=c["instance_id"], command_id=cid, reason="sent again: no sign it arrived",
-                                       worker_id=c["worker_id"], level=c.get("level") or 0)
+                action = PlannedAction(action=c.action, backend=c.backend, instance_id=c.instance_id, command_id=cid,
+                                       reason="sent again: no sign it arrived", worker_id=c.worker_id, level=c.level,
+                                       role=c.role)
                 log.info("%s: sending %s %s again", alias, action.action.value, action.instance_id)
                 await self._send(config, action, None)
                 resent += 1
@@ -382,9 +382,9 @@ class Controller:
             return []
         lost = []
         for worker_id, row in list(self.view[WORKERS].items()):
-            if row["status"] != "up":
+            if not row.up:
                 continue
-            last = max(filter(None, (self.facts.last_heard(worker_id), row["registered_at"])))
+            last = max(filter(None, (self.facts.last_heard(worker_id), row.registered_at)))
             if (now - last).total_seconds() <= self.worker_timeout_s:
                 continue
             try:
@@ -404,7 +404,7 @@ class Controller:
             await self.view.catch_up()
         return lost
 
-    async def record_lost(self, worker_id: str, row: dict[str, Any], last_seen: datetime, why: str) -> None:
+    async def record_lost(self, worker_id: str, row: WorkerRow, last_seen: datetime, why: str) -> None:
         stream = f"worker:{worker_id}"
         version = await self.store.stream_version(stream)
         # One id per (worker, stream version): the same loss recorded twice is stored once.
@@ -415,20 +415,20 @@ class Controller:
         except ConcurrencyError:
             return  # the worker spoke up (or registered again) meanwhile
         log.warning("worker %s lost: %s", worker_id, why)
-        for inst in [r for r in self.view[INSTANCES].values() if r["worker_id"] == worker_id]:
+        for inst in [r for r in self.view[INSTANCES].values() if r.worker_id == worker_id]:
             await self._instance_lost(inst, lost, f"worker {worker_id} lost ({why})")
 
-    async def _instance_lost(self, row: dict[str, Any], cause: Envelope, reason: str) -> None:
+    async def _instance_lost(self, row: InstanceRow, cause: Envelope, reason: str) -> None:
         """By legal transitions only: ERROR where the lifecycle allows it, else on to ABSENT."""
-        backend, state = BackendType(row["backend_type"]), S(row["state"])
+        backend, state = row.backend_type, row.state
         path = [S.ERROR] if instance_transition_allowed(backend, state, S.ERROR) else \
             ([S.ABSENT] if state is S.DELETING else [S.DELETING, S.ABSENT])
         events = []
         for target in path:
             change = InstanceStateChanged(
-                instance_id=row["instance_id"], alias=row["alias"], backend_type=backend, engine=EngineKind(row["engine"]),
-                worker_id=row["worker_id"], from_state=state, to_state=target, reason=reason, endpoint=row.get("endpoint"),
+                instance_id=row.instance_id, alias=row.alias, backend_type=backend, engine=row.engine,
+                worker_id=row.worker_id, from_state=state, to_state=target, reason=reason, endpoint=row.endpoint,
             )
-            events.append(Envelope.wrap(change, causation=cause, id=derived_id(cause.id, f"{row['instance_id']}:{target.value}")))
+            events.append(Envelope.wrap(change, causation=cause, id=derived_id(cause.id, f"{row.instance_id}:{target.value}")))
             state = target
-        await self.store.append(f"instance:{row['instance_id']}", events, headers=self.telemetry.current_headers())
+        await self.store.append(f"instance:{row.instance_id}", events, headers=self.telemetry.current_headers())

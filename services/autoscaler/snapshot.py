@@ -6,11 +6,7 @@ import operator
 import uuid
 from collections.abc import Iterable, Mapping
 from datetime import datetime
-from typing import Any
 
-from pydantic import TypeAdapter
-
-from shared.contracts.backends import Action, BackendType, EngineKind, Role
 from shared.contracts.config import AliasConfig, PolicySettings
 from shared.contracts.control import (
     AliasSnapshot,
@@ -18,62 +14,31 @@ from shared.contracts.control import (
     MetricWindow,
     PendingCommand,
     PolicyState,
-    StartFailure,
     new_instance_view,
     new_snapshot,
 )
-from shared.contracts.states import InstanceState, RoutingState
 from shared.contracts.telemetry import InstanceStatus
+from shared.projections.rows import ControlRow, InstanceNote, InstanceRow, RoutingRow
 
-POLICY_STATE: TypeAdapter[PolicyState] = TypeAdapter(PolicyState)
-# Enum lookups by value through dicts: a tick converts every instance's fields, and
-# calling an Enum class costs ten times a dict lookup.
-_BACKEND = {b.value: b for b in BackendType}
-_ENGINE = {e.value: e for e in EngineKind}
-_STATE = {s.value: s for s in InstanceState}
-_ACTION = {a.value: a for a in Action}
-_ROUTING = {r.value: r for r in RoutingState}
-_ROLE = {r.value: r for r in Role}
-_BY_ID = operator.itemgetter("instance_id")
+_BY_ID = operator.attrgetter("instance_id")
 
 
-def _when(value: Any) -> datetime:
-    return value if isinstance(value, datetime) else datetime.fromisoformat(value)
-
-
-def recorded_state(control_row: Mapping[str, Any] | None) -> PolicyState:
+def recorded_state(control_row: ControlRow | None) -> PolicyState:
     """The policy state after the alias's last recorded decision (a fresh one if there is none)."""
-    if not control_row or not control_row.get("state"):
-        return PolicyState()
-    return POLICY_STATE.validate_python(control_row["state"])
+    return control_row.state if control_row is not None and control_row.state is not None else PolicyState()
 
 
-def instance_view(row: Mapping[str, Any], reported: InstanceStatus | None, worker_up: bool, fresh: bool,
-                  note: Mapping[str, Any] | None) -> InstanceView:
+def instance_view(row: InstanceRow, reported: InstanceStatus | None, worker_up: bool, fresh: bool,
+                  note: InstanceNote | None) -> InstanceView:
     """One instance as the log says (`row`) and its worker last reported (`fresh`: recently enough to count)."""
-    unsupported: frozenset[Action] = frozenset()
-    last_failure = None
-    if note:
-        unsupported = frozenset(_ACTION[a] for a in note.get("unsupported", ()))
-        if note.get("last_failure"):
-            action, when = note["last_failure"]
-            last_failure = (_ACTION[action], _when(when))
     return new_instance_view(
-        row["instance_id"],
-        _BACKEND[row["backend_type"]],
-        _ENGINE[row["engine"]],
-        row["worker_id"],
-        _STATE[row["state"]],
-        row["updated_at"],
-        row["sleep_level"] or 0,
+        row.instance_id, row.backend_type, row.engine, row.worker_id, row.state, row.updated_at, row.sleep_level,
         *_as_reported(row, reported, worker_up, fresh),
-        unsupported,
-        last_failure,
-        _ROLE.get(row.get("role")),
+        frozenset(note.unsupported) if note else frozenset(), note.last_failure if note else None, row.role,
     )
 
 
-def reported_again(view: InstanceView, row: Mapping[str, Any], reported: InstanceStatus | None, worker_up: bool,
+def reported_again(view: InstanceView, row: InstanceRow, reported: InstanceStatus | None, worker_up: bool,
                    fresh: bool) -> InstanceView:
     """`view` with a new report of its worker (its row and notes unchanged)."""
     return new_instance_view(view.instance_id, view.backend, view.engine, view.worker_id, view.state, view.state_since,
@@ -81,29 +46,28 @@ def reported_again(view: InstanceView, row: Mapping[str, Any], reported: Instanc
                              view.last_failure, view.role)
 
 
-def _as_reported(row: Mapping[str, Any], reported: InstanceStatus | None, worker_up: bool,
+def _as_reported(row: InstanceRow, reported: InstanceStatus | None, worker_up: bool,
                  fresh: bool) -> tuple[int | None, int, datetime | None, bool]:
     """capacity, inflight, last_active_at and healthy, as the instance's worker reports them."""
     if reported is None:
-        return row.get("capacity"), 0, None, False
-    return (reported.capacity or row.get("capacity"), reported.inflight_requests if fresh else 0, reported.last_active_at,
+        return row.capacity, 0, None, False
+    return (reported.capacity or row.capacity, reported.inflight_requests if fresh else 0, reported.last_active_at,
             worker_up and fresh and reported.healthy)
 
 
-def instance_views(rows: Iterable[Mapping[str, Any]], statuses: Mapping[str, InstanceStatus], workers_up: set[str],
-                   fresh_workers: set[str], notes: Mapping[str, Any]) -> tuple[InstanceView, ...]:
+def instance_views(rows: Iterable[InstanceRow], statuses: Mapping[str, InstanceStatus], workers_up: set[str],
+                   fresh_workers: set[str], notes: Mapping[str, InstanceNote]) -> tuple[InstanceView, ...]:
     """An alias's instance views built afresh, by instance id."""
-    return tuple(instance_view(row, statuses.get(row["instance_id"]), row["worker_id"] in workers_up,
-                               row["worker_id"] in fresh_workers, notes.get(row["instance_id"]) if notes else None)
+    return tuple(instance_view(row, statuses.get(row.instance_id), row.worker_id in workers_up,
+                               row.worker_id in fresh_workers, notes.get(row.instance_id))
                  for row in sorted(rows, key=_BY_ID))
 
 
-def parse_pending(control_row: Mapping[str, Any]) -> tuple[PendingCommand, ...]:
+def parse_pending(control_row: ControlRow) -> tuple[PendingCommand, ...]:
     return tuple(
-        PendingCommand(command_id=uuid.UUID(command_id), action=_ACTION[c["action"]], backend=_BACKEND[c["backend"]],
-                       instance_id=c["instance_id"], issued_at=_when(c["issued_at"]), level=c.get("level") or 0,
-                       role=_ROLE.get(c.get("role")))
-        for command_id, c in sorted((control_row.get("pending") or {}).items())
+        PendingCommand(command_id=uuid.UUID(command_id), action=c.action, backend=c.backend, instance_id=c.instance_id,
+                       issued_at=c.issued_at, level=c.level, role=c.role)
+        for command_id, c in sorted(control_row.pending.items())
     )
 
 
@@ -121,9 +85,10 @@ class InstanceViews:
     """
 
     def __init__(self) -> None:
-        self._views: dict[str, tuple[Any, InstanceStatus | None, bool, bool, str | None, InstanceView]] = {}
+        self._views: dict[str, tuple[InstanceRow, InstanceStatus | None, bool, bool, InstanceNote | None,
+                                     InstanceView]] = {}
         self._by_alias: dict[str, tuple[InstanceView, ...]] = {}
-        self._rows: dict[str, dict[str, Mapping[str, Any]]] = {}
+        self._rows: dict[str, dict[str, InstanceRow]] = {}
         """alias -> instance id -> the row its view was built from."""
         self._reported: dict[str, set[str]] = {}
         """alias -> instances whose reports changed since their views were built."""
@@ -151,7 +116,7 @@ class InstanceViews:
                     self._reported.setdefault(alias, set()).add(instance_id)
         self._workers = workers
 
-    def of(self, alias: str, rows: Iterable[Mapping[str, Any]], notes: Mapping[str, Any]) -> tuple[InstanceView, ...]:
+    def of(self, alias: str, rows: Iterable[InstanceRow], notes: Mapping[str, InstanceNote]) -> tuple[InstanceView, ...]:
         """The alias's instance views, by instance id. `rows` is only read when they changed."""
         views = self._by_alias.get(alias)
         if views is None:
@@ -178,39 +143,37 @@ class InstanceViews:
             rebuilt.append(view)
         return tuple(rebuilt)
 
-    def _check_rows(self, alias: str, rows: Iterable[Mapping[str, Any]], notes: Mapping[str, Any]) -> tuple[InstanceView, ...]:
+    def _check_rows(self, alias: str, rows: Iterable[InstanceRow], notes: Mapping[str, InstanceNote]) -> tuple[InstanceView, ...]:
         cache, statuses = self._views, self._statuses
         up_workers, fresh_workers = self._workers  # type: ignore[misc]
         ordered = sorted(rows, key=_BY_ID)
-        self._rows[alias] = {row["instance_id"]: row for row in ordered}
+        self._rows[alias] = {row.instance_id: row for row in ordered}
         views = []
         for row in ordered:
-            instance_id, worker_id, updated = row["instance_id"], row["worker_id"], row["updated_at"]
+            instance_id, worker_id = row.instance_id, row.worker_id
             reported = statuses.get(instance_id)
             up, fresh = worker_id in up_workers, worker_id in fresh_workers
-            note = notes.get(instance_id) if notes else None
-            noted = repr(note) if note else None  # notes change in place: compare what they say
+            note = notes.get(instance_id)
             cached = cache.get(instance_id)
-            # Identities first: the facts keep an unchanged status as the same object (a changed
-            # one is not compared field by field), and an unchanged row keeps its timestamp.
-            if (cached is not None and cached[1] is reported and cached[2] is up and cached[3] is fresh
-                    and (cached[0] is updated or cached[0] == updated) and cached[4] == noted):
+            # Identities first: rows are frozen (a changed row is a new object), and the facts keep an
+            # unchanged status as the same object (a changed one is not compared field by field).
+            if (cached is not None and cached[0] is row and cached[1] is reported and cached[2] is up
+                    and cached[3] is fresh and cached[4] == note):
                 views.append(cached[5])
                 continue
             view = instance_view(row, reported, up, fresh, note)
-            cache[instance_id] = (updated, reported, up, fresh, noted, view)
+            cache[instance_id] = (row, reported, up, fresh, note, view)
             views.append(view)
         return tuple(views)
 
-    def pending(self, control_row: Mapping[str, Any]) -> tuple[PendingCommand, ...]:
+    def pending(self, control_row: ControlRow) -> tuple[PendingCommand, ...]:
         """An alias's commands in flight, parsed again only when the set of them changed."""
-        commands = control_row.get("pending") or {}
-        key = tuple(commands)
-        cached = self._pending.get(control_row["alias"])
+        key = tuple(control_row.pending)
+        cached = self._pending.get(control_row.alias)
         if cached is not None and cached[0] == key:
             return cached[1]
         parsed = parse_pending(control_row)
-        self._pending[control_row["alias"]] = (key, parsed)
+        self._pending[control_row.alias] = (key, parsed)
         return parsed
 
     def forget(self, instance_ids: Iterable[str]) -> None:
@@ -223,8 +186,8 @@ def build_snapshot(
     *,
     config: AliasConfig,
     settings: PolicySettings,
-    routing_row: Mapping[str, Any] | None,
-    control_row: Mapping[str, Any] | None,
+    routing_row: RoutingRow | None,
+    control_row: ControlRow | None,
     instances: tuple[InstanceView, ...],
     metrics: MetricWindow | None,
     demand: int,
@@ -232,26 +195,20 @@ def build_snapshot(
     views: InstanceViews | None = None,
 ) -> AliasSnapshot:
     """`instances`: from `InstanceViews.of`, or `instance_views` where nothing is kept between snapshots."""
-    routing_row = routing_row or {}
-    control_row = control_row or {}
-    pending = () if not control_row else views.pending(control_row) if views is not None else parse_pending(control_row)
-    failures = {
-        _BACKEND[backend]: StartFailure(f["instance_id"], _when(f["at"]), f["reason"])
-        for backend, f in (control_row.get("start_failures") or {}).items()
-    }
+    pending = () if control_row is None else views.pending(control_row) if views is not None else parse_pending(control_row)
     return new_snapshot(
         alias=config.alias,
-        version=control_row.get("version", 0),
+        version=control_row.version if control_row else 0,
         config=config,
         settings=settings,
-        routing_state=_ROUTING[routing_row.get("state") or config.routing_state.value],
-        routing_since=routing_row.get("switched_at"),
-        mix_weight=float(routing_row.get("mix_weight") or 0.0),
-        targets={_BACKEND[b]: int(n) for b, n in (routing_row.get("targets") or {}).items()},
+        routing_state=routing_row.state if routing_row else config.routing_state,
+        routing_since=routing_row.switched_at if routing_row else None,
+        mix_weight=routing_row.mix_weight if routing_row else 0.0,
+        targets=dict(routing_row.targets) if routing_row else {},
         state=state,
         instances=instances,
         pending=pending,
         metrics=metrics,
         demand=demand,
-        start_failures=failures,
+        start_failures=dict(control_row.start_failures) if control_row else {},
     )

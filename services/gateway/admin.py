@@ -34,9 +34,11 @@ from shared.contracts.commands import DrainInstance
 from shared.contracts.messages import Envelope
 from shared.openai_protocol import APIError, bad_request
 from shared.projections.live import LiveView
+from shared.contracts.states import InstanceState
 from shared.projections.readmodels import INSTANCES
+from shared.projections.rows import as_json
 
-DRAINABLE = ("RUNNING", "STARTING", "SLEEP_1", "SLEEP_2")
+DRAINABLE = (InstanceState.RUNNING, InstanceState.STARTING, InstanceState.SLEEP_1, InstanceState.SLEEP_2)
 DRAIN_TIMEOUT_S = 120.0
 
 
@@ -69,23 +71,23 @@ def create_admin_app(ctx: ServiceContext, view: LiveView, token: str) -> Starlet
             {"at": e.occurred_at, "type": e.type, "position": e.position, "summary": summarize(e)} for e in events]})
 
     async def instances(_: Request) -> Response:
-        rows = sorted(view[INSTANCES].values(), key=lambda r: (r["alias"], r["backend_type"], r["instance_id"]))
-        return _json({"instances": rows})
+        rows = sorted(view[INSTANCES].values(), key=lambda r: (r.alias, r.backend_type.value, r.instance_id))
+        return _json({"instances": [as_json(row) for row in rows]})
 
     async def drain(request: Request) -> Response:
         instance_id = request.path_params["instance_id"]
         row = view[INSTANCES].get(instance_id)
         if row is None:
             raise APIError(404, f"no instance {instance_id!r}", code="instance_not_found")
-        if row["state"] not in DRAINABLE:
-            raise APIError(409, f"instance {instance_id} is {row['state']}: only {', '.join(DRAINABLE)} can be drained",
-                           code="not_drainable")
-        command = DrainInstance(instance_id=instance_id, alias=row["alias"], backend_type=row["backend_type"],
-                                worker_id=row["worker_id"], timeout_s=DRAIN_TIMEOUT_S,
+        if row.state not in DRAINABLE:
+            raise APIError(409, f"instance {instance_id} is {row.state.value}: only "
+                                f"{', '.join(s.value for s in DRAINABLE)} can be drained", code="not_drainable")
+        command = DrainInstance(instance_id=instance_id, alias=row.alias, backend_type=row.backend_type,
+                                worker_id=row.worker_id, timeout_s=DRAIN_TIMEOUT_S,
                                 reason="operator drain (admin API)")
         envelope = Envelope.wrap(command, id=uuid.uuid4())
-        await publish(ctx.js, ctx.subjects.worker_commands(row["worker_id"]), envelope, ctx.telemetry)
-        return JSONResponse({"command_id": str(envelope.id), "instance_id": instance_id, "worker_id": row["worker_id"],
+        await publish(ctx.js, ctx.subjects.worker_commands(row.worker_id), envelope, ctx.telemetry)
+        return JSONResponse({"command_id": str(envelope.id), "instance_id": instance_id, "worker_id": row.worker_id,
                              "action": "drain"}, status_code=202)
 
     return Starlette(

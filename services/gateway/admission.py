@@ -131,7 +131,7 @@ class Admission:
     def release(self, slot: Slot) -> None:
         """A request is done with its slot: the next waiter of the alias takes it at once."""
         self.router.release(slot)
-        self.pump(slot.instance["alias"])
+        self.pump(slot.instance.alias)
 
     def view_advanced(self) -> None:
         for alias in list(self.queues):

@@ -58,9 +58,10 @@ from services.gateway.sessions import Sessions
 from services.gateway.sse import EventScanner, Usage, usage_of_body
 from services.gateway.starts import StartTimes
 from shared.bus.telemetry import TelemetryBus
-from shared.contracts.backends import BackendType, EngineKind, engine_label
+from shared.contracts.backends import BackendType, engine_label
 from shared.contracts.config import GatewayConfig, PoolConfig
-from shared.eventlog.store import RawEvent
+from shared.contracts.states import RoutingState
+from shared.eventlog.store import StoredEvent
 from shared.openai_protocol import (
     ENGINE_HEADER,
     SSE_DONE,
@@ -76,6 +77,7 @@ from shared.openai_protocol import (
 )
 from shared.projections.live import LiveView
 from shared.projections.readmodels import INSTANCES, ROUTING, SESSIONS
+from shared.projections.rows import InstanceRow
 from shared.settings import Settings
 from shared.telemetry import Telemetry
 
@@ -176,7 +178,7 @@ class Gateway:
         self.bus = bus
         self.telemetry = telemetry or Telemetry("gateway")
         # The pool file's aliases, as configured: known (and held, as COLD) before the controller registers them.
-        self.configured = {a.alias: a.model_dump(mode="json") for a in pool.aliases}
+        self.configured = {a.alias: a for a in pool.aliases}
         self.gateway_id = gateway_id(settings)
         self.clock = time.monotonic
         self.sessions = Sessions(view.store, self.clock)
@@ -193,7 +195,7 @@ class Gateway:
         self.sessions.load(self.view[SESSIONS])
         self.view.add_listener(self.view_advanced)
 
-    def view_advanced(self, events: Sequence[RawEvent]) -> None:
+    def view_advanced(self, events: Sequence[StoredEvent]) -> None:
         self.sessions.apply(events)
         self.router.view_advanced()  # first: admission asks the router
         self.starts.apply(events)
@@ -500,7 +502,7 @@ class Exchange:
         """Post `payload` to `slot`'s instance; the response and what is read of it before anything is relayed:
         a stream's first events (within the first-byte timeout), else the whole answer."""
         client, config = self.gateway.client, self.gateway.config
-        url = f"{slot.instance['endpoint']}{self.path}"
+        url = f"{slot.instance.endpoint}{self.path}"
         if not self.stream:
             response = await client.post(url, data=payload, headers=self._upstream_headers())
             try:
@@ -533,13 +535,13 @@ class Exchange:
     async def _relay(self, send: Send, response: aiohttp.ClientResponse, head: bytes) -> RequestOutcome:
         instance = self.slot.instance  # type: ignore[union-attr]
         status = response.status
-        self.engine = response.headers.get(ENGINE_HEADER, instance["engine"])
+        self.engine = response.headers.get(ENGINE_HEADER, instance.engine.value)
         if self.stream and status == 200:
             if self.started:
                 # A held stream: its headers went out before an instance was chosen. Say which one
                 # serves it, as SSE comments carry it (clients skip comment lines).
-                await self._send(send, f": modelpool instance={instance['instance_id']} "
-                                       f"backend={instance['backend_type']} engine={self.engine}\n\n".encode())
+                await self._send(send, f": modelpool instance={instance.instance_id} "
+                                       f"backend={instance.backend_type.value} engine={self.engine}\n\n".encode())
             else:
                 await self._start(send, 200, [*SSE_HEADERS, *self._served_by(instance)])
             return await self._relay_events(send, response, head)
@@ -558,10 +560,10 @@ class Exchange:
         await self._send(send, body, more=False)
         return outcome_of(status)
 
-    def _served_by(self, instance: dict) -> list[tuple[bytes, bytes]]:
-        return [(b"x-modelpool-instance", instance["instance_id"].encode()),
-                (b"x-modelpool-backend", instance["backend_type"].encode()),
-                (ENGINE_HEADER.encode(), (self.engine or instance["engine"]).encode())]
+    def _served_by(self, instance: InstanceRow) -> list[tuple[bytes, bytes]]:
+        return [(b"x-modelpool-instance", instance.instance_id.encode()),
+                (b"x-modelpool-backend", instance.backend_type.value.encode()),
+                (ENGINE_HEADER.encode(), (self.engine or instance.engine.value).encode())]
 
     async def _relay_events(self, send: Send, response: aiohttp.ClientResponse, head: bytes) -> RequestOutcome:
         """Relay a stream's events as they come; one that breaks midway is carried on by another instance of
@@ -666,19 +668,20 @@ async def _client_gone(receive: Receive) -> None:
 def model_cards(gateway: Gateway) -> list[ModelCard]:
     """Every alias the gateway serves, with its routing state and, per backend, its engine and whether it is simulated."""
     routing = gateway.view[ROUTING]
-    configs = {**gateway.configured, **{alias: row.get("config") for alias, row in routing.items()}}
     cards = []
-    for alias, config in sorted(configs.items()):
-        backends = (config or {}).get("backends", {})
+    for alias in sorted({*gateway.configured, *routing}):
+        config = gateway.router.config(alias)
         listed = {}
-        for name, cfg in backends.items():
-            engine = engine_label(EngineKind((cfg or {}).get("engine") or name), BackendType(name))
-            listed[name] = BackendCard(engine=engine, simulated=engine.startswith("simulated-"))
-        state = (routing.get(alias) or {}).get("state") or "COLD"
+        for backend in config.backends if config else ():
+            engine = engine_label(config.engine_for(backend), backend)  # type: ignore[union-attr]
+            listed[backend.value] = BackendCard(engine=engine, simulated=engine.startswith("simulated-"))
+        row = routing.get(alias)
+        vllm = config.backends.get(BackendType.VLLM) if config else None
         cards.append(ModelCard(
             id=alias, engine=",".join(b.engine for b in listed.values()) or None,
             simulated=any(b.simulated for b in listed.values()),
-            max_model_len=(backends.get("vllm") or {}).get("max_model_len"), routing_state=state, backends=listed,
+            max_model_len=vllm.max_model_len if vllm else None,
+            routing_state=(row.state if row else RoutingState.COLD).value, backends=listed,
         ))
     return cards
 

@@ -15,12 +15,12 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 import orjson
 
 from shared.kv_frames import MEDIA_TYPE
+from shared.projections.rows import InstanceRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,19 +39,19 @@ class KVMove:
                 "kv_move_s": round(self.seconds, 6)}
 
 
-async def move_kv(client: aiohttp.ClientSession, source: dict[str, Any] | None, target: dict[str, Any],
+async def move_kv(client: aiohttp.ClientSession, source: InstanceRow | None, target: InstanceRow,
                   endpoint: str, payload: bytes, timeout_s: float,
                   clock: Callable[[], float] = time.monotonic) -> KVMove:
     """Export from `source` the KV the request `payload` (for `endpoint`) continues; import it into `target`."""
-    src = (source or {}).get("internal_endpoint")
-    dst = target.get("internal_endpoint")
+    src = source.internal_endpoint if source else None
+    dst = target.internal_endpoint
     if not src or not dst:
         if source is None:
             detail = "the old host is gone"
         elif not src:
-            detail = f"{source['instance_id']} ({source.get('engine')}) exports no KV"
+            detail = f"{source.instance_id} ({source.engine.value}) exports no KV"
         else:
-            detail = f"{target['instance_id']} ({target.get('engine')}) imports no KV"
+            detail = f"{target.instance_id} ({target.engine.value}) imports no KV"
         return KVMove(False, detail=f"{detail}: the new host recomputes")
     start = clock()
     try:

@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
 
 from routing.backends import backend_order, taking_new
 from routing.registry import build_scheduler
@@ -27,13 +27,15 @@ from routing.scheduler import Endpoint, RoutingRequest, Scheduler, SessionState
 from services.gateway.prompts import BLOCK_BYTES, PrefixIndex, Prompt, TokensPerByte
 from services.gateway.sessions import Sessions
 from shared.contracts.backends import BackendType
-from shared.contracts.config import RouterConfig
+from shared.contracts.config import AliasConfig, RouterConfig
+from shared.contracts.states import InstanceState, RoutingState
 from shared.projections.live import LiveView
 from shared.projections.readmodels import INSTANCES, ROUTING
+from shared.projections.rows import InstanceRow
 
 
-def _running_since(row: dict[str, Any]) -> tuple[Any, str]:
-    return row["updated_at"], row["instance_id"]
+def _running_since(row: InstanceRow) -> tuple[datetime, str]:
+    return row.updated_at, row.instance_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +57,7 @@ class Slot:
     """One request's place on an instance: taken from the router's count, given back with `Router.release`."""
 
     backend: BackendType
-    instance: dict[str, Any]
+    instance: InstanceRow
     ask: Ask = NO_PROMPT
     pending: int = 0
     """Prompt tokens this request adds to the instance's pending prefill until its first token."""
@@ -67,12 +69,11 @@ class Slot:
 
     @property
     def instance_id(self) -> str:
-        return self.instance["instance_id"]
+        return self.instance.instance_id
 
 
-def _has_room(row: dict[str, Any], inflight: int) -> bool:
-    capacity = row.get("capacity")
-    return not capacity or inflight < capacity  # an instance that has not said its capacity takes what comes
+def _has_room(row: InstanceRow, inflight: int) -> bool:
+    return not row.capacity or inflight < row.capacity  # an instance that has not said its capacity takes what comes
 
 
 class Router:
@@ -86,7 +87,7 @@ class Router:
     several replicas each balances its own share, which evens out the total.
     """
 
-    def __init__(self, view: LiveView, rng: random.Random, configured: dict[str, dict[str, Any]] | None = None,
+    def __init__(self, view: LiveView, rng: random.Random, configured: dict[str, AliasConfig] | None = None,
                  sessions: Sessions | None = None, wall: Callable[[], float] = time.time) -> None:
         self.view = view
         self.rng = rng
@@ -97,52 +98,55 @@ class Router:
         self.pending: dict[str, int] = {}
         self.index = PrefixIndex()
         self.tokens = TokensPerByte()
-        self._routable: dict[tuple[str, BackendType], list[dict[str, Any]]] | None = None
-        self._schedulers: dict[str, tuple[dict[str, Any], RouterConfig, Scheduler]] = {}
+        self._routable: dict[tuple[str, BackendType], list[InstanceRow]] | None = None
+        self._schedulers: dict[str, tuple[RouterConfig, Scheduler]] = {}
 
     def view_advanced(self) -> None:
         self._routable = None
 
-    def _instances(self, alias: str, backend: BackendType) -> list[dict[str, Any]]:
+    def _instances(self, alias: str, backend: BackendType) -> list[InstanceRow]:
         if self._routable is None:
             # Rebuilt once per change of the view, not per request: the instance table spans every alias.
-            index: dict[tuple[str, BackendType], list[dict[str, Any]]] = {}
+            index: dict[tuple[str, BackendType], list[InstanceRow]] = {}
             for row in self.view[INSTANCES].values():
-                if row["state"] == "RUNNING" and row.get("endpoint"):
-                    index.setdefault((row["alias"], BackendType(row["backend_type"])), []).append(row)
+                if row.state is InstanceState.RUNNING and row.endpoint:
+                    index.setdefault((row.alias, row.backend_type), []).append(row)
             routing = self.view[ROUTING]
             for (name, tier), rows in index.items():
-                target = ((routing.get(name) or {}).get("targets") or {}).get(tier.value)
+                alias_routing = routing.get(name)
+                target = alias_routing.targets.get(tier) if alias_routing else None
                 index[(name, tier)] = taking_new(rows, target, _running_since)
             self._routable = index
-            self.index.forget({row["instance_id"] for rows in index.values() for row in rows})
+            self.index.forget({row.instance_id for rows in index.values() for row in rows})
         return self._routable.get((alias, backend), [])
 
     def known(self, alias: str) -> bool:
         return alias in self.view[ROUTING] or alias in self.configured
 
-    def state(self, alias: str) -> tuple[str, float]:
+    def state(self, alias: str) -> tuple[RoutingState, float]:
         routing = self.view[ROUTING].get(alias)
-        return ("COLD", 0.0) if routing is None else (routing["state"], routing["mix_weight"])
+        return (RoutingState.COLD, 0.0) if routing is None else (routing.state, routing.mix_weight)
 
-    def config(self, alias: str) -> dict[str, Any]:
+    def config(self, alias: str) -> AliasConfig | None:
         """The alias's configuration as the controller registered it, else as the pool file has it."""
         routing = self.view[ROUTING].get(alias)
-        return (routing or {}).get("config") or self.configured.get(alias) or {}
-
-    def _router(self, alias: str) -> tuple[dict[str, Any], RouterConfig, Scheduler]:
-        raw = self.config(alias).get("router") or {}
-        known = self._schedulers.get(alias)
-        if known is None or known[0] != raw:  # built once per configuration, not per request
-            config = RouterConfig.model_validate(raw)
-            known = self._schedulers[alias] = (raw, config, build_scheduler(config, self.rng))
-        return known
-
-    def scheduler(self, alias: str) -> Scheduler:
-        return self._router(alias)[2]
+        return (routing.config if routing else None) or self.configured.get(alias)
 
     def router_config(self, alias: str) -> RouterConfig:
-        return self._router(alias)[1]
+        config = self.config(alias)
+        return config.router if config else RouterConfig()
+
+    def scheduler(self, alias: str) -> Scheduler:
+        config = self.router_config(alias)
+        known = self._schedulers.get(alias)
+        if known is None or known[0] != config:  # built once per configuration, not per request
+            known = self._schedulers[alias] = (config, build_scheduler(config, self.rng))
+        return known[1]
+
+    def max_model_len(self, alias: str, backend: BackendType) -> int | None:
+        config = self.config(alias)
+        tier = config.backends.get(backend) if config else None
+        return tier.max_model_len if tier else None
 
     def take(self, alias: str, ask: Ask = NO_PROMPT) -> Slot | None:
         """A slot for one request of `alias`, or None when no instance it may use may take it now."""
@@ -155,16 +159,16 @@ class Router:
 
     def has_other(self, alias: str, backend: BackendType, avoid: frozenset[str]) -> bool:
         """Whether an instance of `backend` other than those in `avoid` runs, full or not."""
-        return any(row["instance_id"] not in avoid for row in self._instances(alias, backend))
+        return any(row.instance_id not in avoid for row in self._instances(alias, backend))
 
     def take_in(self, alias: str, backend: BackendType, ask: Ask = NO_PROMPT,
                 exclude: frozenset[str] = frozenset()) -> Slot | None:
         """A slot on the instance of `backend` the alias's router picks, if one may take the request."""
-        rows = {row["instance_id"]: row for row in self._instances(alias, backend) if row["instance_id"] not in exclude}
+        rows = {row.instance_id: row for row in self._instances(alias, backend) if row.instance_id not in exclude}
         if not rows:
             return None
         scheduler = self.scheduler(alias)
-        kv_len = ((self.config(alias).get("backends") or {}).get(backend.value) or {}).get("max_model_len")
+        kv_len = self.max_model_len(alias, backend)
         endpoints = {i: self._endpoint(row, ask, scheduler.reads_cache, kv_len) for i, row in rows.items()}
         if scheduler.binds_sessions and self.sessions is not None:
             session = self.sessions.state(ask.prompt.session_id)
@@ -179,19 +183,19 @@ class Router:
         pending = max(0, ask.tokens - cached)
         self.inflight[instance_id] = self.inflight.get(instance_id, 0) + 1
         self.pending[instance_id] = self.pending.get(instance_id, 0) + pending
-        limit = row.get("capacity") and kv_len and self._blocks_of(alias, row["capacity"] * kv_len)
+        limit = row.capacity and kv_len and self._blocks_of(alias, row.capacity * kv_len)
         self.index.sent(instance_id, ask.prompt.blocks, limit or None)
         return Slot(backend, row, ask, pending, choice.moved_from, choice.reason, scheduler.binds_sessions)
 
-    def _endpoint(self, row: dict[str, Any], ask: Ask, reads_cache: bool, kv_len: int | None) -> Endpoint:
-        instance_id = row["instance_id"]
+    def _endpoint(self, row: InstanceRow, ask: Ask, reads_cache: bool, kv_len: int | None) -> Endpoint:
+        instance_id = row.instance_id
         inflight = self.inflight.get(instance_id, 0)
         kv_free = None
-        if row.get("capacity") and kv_len:
+        if row.capacity and kv_len:
             resident = self.sessions.kv_resident(instance_id) if self.sessions is not None else 0
-            kv_free = row["capacity"] * kv_len - resident
+            kv_free = row.capacity * kv_len - resident
         return Endpoint(instance_id, inflight, not _has_room(row, inflight), self.pending.get(instance_id, 0),
-                        self._cached_tokens(row["alias"], instance_id, ask) if reads_cache else 0, kv_free)
+                        self._cached_tokens(row.alias, instance_id, ask) if reads_cache else 0, kv_free)
 
     def _cached_tokens(self, alias: str, instance_id: str, ask: Ask) -> int:
         blocks = self.index.matched(instance_id, ask.prompt.blocks)

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from routing.scheduler import SessionState
 from shared.contracts.events import SessionBound, SessionMigrated, SessionReleased
 from shared.contracts.messages import Envelope
-from shared.eventlog.store import ConcurrencyError, EventStore, RawEvent
+from shared.eventlog.store import ConcurrencyError, EventStore, StoredEvent
 from shared.faults import Backoff, Outage, is_transient
+from shared.projections.rows import SessionRow
 
 log = logging.getLogger(__name__)
 
-SESSION_EVENTS = frozenset({"SessionBound", "SessionMigrated", "SessionReleased"})
 MAX_PENDING_WRITES = 10_000
 """Bindings and moves waiting for the log at most (Postgres away while sessions keep coming): memory stays bounded."""
 
@@ -86,29 +86,28 @@ class Sessions:
             return SessionState(session_id)
         return SessionState(session_id, b.host, b.moved_at, b.context_tokens)
 
-    def load(self, rows: dict[str, dict]) -> None:
+    def load(self, rows: dict[str, SessionRow]) -> None:
         """The bindings as the view's session rows have them at start."""
         for session_id, row in rows.items():
-            moved = row.get("last_migrated_at")
-            self.bindings[session_id] = Binding(row["alias"], row["instance_id"], moved.timestamp() if moved else None)
+            moved = row.last_migrated_at
+            self.bindings[session_id] = Binding(row.alias, row.instance_id, moved.timestamp() if moved else None)
 
-    def apply(self, events: Sequence[RawEvent]) -> None:
+    def apply(self, events: Sequence[StoredEvent]) -> None:
         """Follow bindings other replicas recorded (our own come back too, and change nothing)."""
-        for event in events:
-            if event.type not in SESSION_EVENTS:
+        for stored in events:
+            e = stored.event
+            if not isinstance(e, (SessionBound, SessionMigrated, SessionReleased)):
                 continue
-            p = event.payload
-            session_id = p["session_id"]
-            known = self.bindings.get(session_id)
-            if known is not None and known.position >= event.position:
+            known = self.bindings.get(e.session_id)
+            if known is not None and known.position >= stored.position:
                 continue
-            if event.type == "SessionReleased":
-                self._drop(session_id)
+            if isinstance(e, SessionReleased):
+                self._drop(e.session_id)
                 continue
-            host = p["instance_id"] if event.type == "SessionBound" else p["to_instance_id"]
-            moved = event.occurred_at.timestamp() if event.type == "SessionMigrated" else None
-            self._set(session_id, Binding(p["alias"], host, moved, None, event.position,
-                                          known.context_tokens if known else 0, known.last_seen if known else 0.0))
+            host = e.instance_id if isinstance(e, SessionBound) else e.to_instance_id
+            moved = stored.occurred_at.timestamp() if isinstance(e, SessionMigrated) else None
+            self._set(e.session_id, Binding(e.alias, host, moved, None, stored.position,
+                                            known.context_tokens if known else 0, known.last_seen if known else 0.0))
 
     def kv_resident(self, instance_id: str) -> int:
         return self.resident.get(instance_id, 0)

@@ -16,7 +16,9 @@ from datetime import datetime
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared.eventlog.store import RawEvent
+from shared.contracts.events import InstanceStateChanged
+from shared.contracts.states import InstanceState
+from shared.eventlog.store import StoredEvent
 
 RECENT_STARTS = 5
 """Start durations remembered per alias: recent enough to follow a changed model or machine."""
@@ -42,19 +44,19 @@ class StartTimes:
         self._starting: dict[str, datetime] = {}
         self.recent: dict[str, deque[float]] = {}
 
-    def _fold(self, alias: str, instance_id: str, to_state: str, at: datetime) -> None:
-        if to_state == "STARTING":
+    def _fold(self, alias: str, instance_id: str, to_state: InstanceState, at: datetime) -> None:
+        if to_state is InstanceState.STARTING:
             self._starting[instance_id] = at
             return
         began = self._starting.pop(instance_id, None)
-        if began is not None and to_state == "RUNNING":
+        if began is not None and to_state is InstanceState.RUNNING:
             self.recent.setdefault(alias, deque(maxlen=RECENT_STARTS)).append((at - began).total_seconds())
 
-    def apply(self, events: Iterable[RawEvent]) -> None:
-        for event in events:
-            if event.type == "InstanceStateChanged":
-                p = event.payload
-                self._fold(p["alias"], p["instance_id"], p["to_state"], event.occurred_at)
+    def apply(self, events: Iterable[StoredEvent]) -> None:
+        for stored in events:
+            e = stored.event
+            if isinstance(e, InstanceStateChanged):
+                self._fold(e.alias, e.instance_id, e.to_state, stored.occurred_at)
 
     async def load(self, engine: AsyncEngine, aliases: Iterable[str], upto: int) -> None:
         """The starts already in the log, up to the position the live view starts following from."""
@@ -62,7 +64,7 @@ class StartTimes:
             for alias in aliases:
                 rows = (await conn.execute(_RECENT_TRANSITIONS, {"alias": alias, "upto": upto})).all()
                 for instance_id, to_state, at in reversed(rows):
-                    self._fold(alias, instance_id, to_state, at)
+                    self._fold(alias, instance_id, InstanceState(to_state), at)
 
     def budget_s(self, alias: str) -> float:
         """How long a request for `alias` may be held."""

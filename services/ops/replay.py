@@ -27,6 +27,7 @@ from shared.eventlog.db import create_engine, migrate_async
 from shared.eventlog.store import make_store
 from shared.projections.projector import load_position, load_rows, rebuild, write_all
 from shared.projections.readmodels import ALL_PROJECTIONS, Projection, Rows
+from shared.projections.rows import as_json
 from shared.settings import Settings
 from services.ops.verify import Mismatch, verify_decisions
 
@@ -36,14 +37,14 @@ class Difference:
     projection: str
     key: str
     kind: str  # "missing" (in rebuild, not live), "extra" (live only), "changed"
-    live: dict[str, Any] | None
-    rebuilt: dict[str, Any] | None
+    live: Any
+    rebuilt: Any
 
     def describe(self) -> str:
         if self.kind == "changed":
             assert self.live is not None and self.rebuilt is not None
-            cols = [c for c in self.live if self.live.get(c) != self.rebuilt.get(c)]
-            parts = [f"{c}: live={self.live.get(c)!r} log={self.rebuilt.get(c)!r}" for c in cols]
+            live, log = as_json(self.live), as_json(self.rebuilt)
+            parts = [f"{c}: live={live[c]!r} log={log[c]!r}" for c in live if live[c] != log[c]]
             return f"{self.projection} {self.key}: changed — " + "; ".join(parts)
         if self.kind == "missing":
             return f"{self.projection} {self.key}: in the log but missing from the live table"

@@ -22,6 +22,7 @@ from shared.bus.telemetry import TelemetryBus
 from shared.eventlog.db import create_engine
 from shared.projections.projector import load_position, load_rows
 from shared.projections.readmodels import CONTROL, INSTANCES, ROUTING, WORKERS
+from shared.projections.rows import as_json
 from shared.settings import Settings
 
 LIVE_TIMEOUT_S = 3.0
@@ -54,15 +55,16 @@ async def load_live(settings: Settings) -> dict[str, Any]:
 async def read_status(engine: AsyncEngine, namespace: str) -> dict[str, Any]:
     """The read models an operator asks about: workers, aliases, the controller's commands, instances."""
     async with engine.connect() as conn:
+        workers, aliases = await load_rows(conn, WORKERS), await load_rows(conn, ROUTING)
+        control, instances = await load_rows(conn, CONTROL), await load_rows(conn, INSTANCES)
         return {
             "namespace": namespace,
             "position": await load_position(conn, ROUTING.name),
-            "workers": sorted((await load_rows(conn, WORKERS)).values(), key=lambda r: r["worker_id"]),
-            "aliases": sorted((await load_rows(conn, ROUTING)).values(), key=lambda r: r["alias"]),
-            "control": await load_rows(conn, CONTROL),
-            "instances": sorted(
-                (await load_rows(conn, INSTANCES)).values(), key=lambda r: (r["alias"], r["backend_type"], r["instance_id"])
-            ),
+            "workers": [as_json(workers[k]) for k in sorted(workers)],
+            "aliases": [as_json(aliases[k]) for k in sorted(aliases)],
+            "control": {alias: as_json(row) for alias, row in control.items()},
+            "instances": [as_json(r) for r in sorted(instances.values(),
+                                                     key=lambda r: (r.alias, r.backend_type.value, r.instance_id))],
         }
 
 

@@ -12,47 +12,55 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
 
 from nats.js import JetStreamContext
 
 from policy.placement import Placed, PlacementChoice, PlacementRequest, WorkerView, place
 from shared.bus.jetstream import publish
 from shared.bus.subjects import Subjects
-from shared.contracts.backends import BackendType, EngineKind
+from shared.contracts.backends import BackendType
 from shared.contracts.commands import EngineSpec, PlaceInstance, StartInstance
-from shared.contracts.events import PlacementDecided, PlacementFailed, PlacementRequested
+from shared.contracts.events import InstanceStateChanged, PlacementDecided, PlacementFailed, PlacementRequested
 from shared.contracts.messages import Envelope, derived_id
-from shared.eventlog.store import EventStore, RawEvent
+from shared.contracts.states import InstanceState
+from shared.eventlog.store import EventStore
 from shared.projections.live import LiveView
-from shared.projections.readmodels import WORKERS, Projection, Rows
+from shared.projections.readmodels import WORKERS, Projection, reducers
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 
-def _placement_decided(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    rows[p["instance_id"]] = {
-        "instance_id": p["instance_id"], "alias": p["alias"], "backend_type": p["backend_type"],
-        "worker_id": p["worker_id"], "gpu_memory_gb": p["gpu_memory_gb"],
-    }
-    return (p["instance_id"],)
+@dataclass(frozen=True, slots=True)
+class PlacedInstance:
+    """An instance holding a slot (and memory) on its worker."""
+
+    instance_id: str
+    alias: str
+    backend_type: BackendType
+    worker_id: str
+    gpu_memory_gb: float
 
 
-def _instance_changed(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    if p["to_state"] == "ABSENT":
-        rows.pop(p["instance_id"], None)
-    elif p["instance_id"] not in rows:  # started without placement: it still takes a slot
-        rows[p["instance_id"]] = {"instance_id": p["instance_id"], "alias": p["alias"], "backend_type": p["backend_type"],
-                                  "worker_id": p["worker_id"], "gpu_memory_gb": 0.0}
-    return (p["instance_id"],)
+def _placement_decided(rows: dict[str, PlacedInstance], e: PlacementDecided, at: datetime) -> Iterable[str]:
+    rows[e.instance_id] = PlacedInstance(e.instance_id, e.alias, e.backend_type, e.worker_id, e.gpu_memory_gb)
+    return (e.instance_id,)
 
 
-PLACEMENTS = Projection(
-    name="placements", table="", key="instance_id", columns=(), json_columns=frozenset(), time_columns=frozenset(),
-    reducers={"PlacementDecided": _placement_decided, "InstanceStateChanged": _instance_changed},
-)
+def _instance_changed(rows: dict[str, PlacedInstance], e: InstanceStateChanged, at: datetime) -> Iterable[str]:
+    if e.to_state is InstanceState.ABSENT:
+        rows.pop(e.instance_id, None)
+    elif e.instance_id not in rows:  # started without placement: it still takes a slot
+        rows[e.instance_id] = PlacedInstance(e.instance_id, e.alias, e.backend_type, e.worker_id, 0.0)
+    return (e.instance_id,)
+
+
+PLACEMENTS: Projection[PlacedInstance] = Projection(
+    "placements", "", PlacedInstance, reducers((PlacementDecided, _placement_decided),
+                                               (InstanceStateChanged, _instance_changed)))
+"""Not a stored read model: the placement service folds it from the log itself."""
 
 
 class Placement:
@@ -68,14 +76,11 @@ class Placement:
     def workers(self) -> list[WorkerView]:
         placed: dict[str, list[Placed]] = {}
         for row in self.view[PLACEMENTS].values():
-            placed.setdefault(row["worker_id"], []).append(
-                Placed(row["instance_id"], row["alias"], BackendType(row["backend_type"]), row["gpu_memory_gb"]))
+            placed.setdefault(row.worker_id, []).append(Placed(row.instance_id, row.alias, row.backend_type,
+                                                               row.gpu_memory_gb))
         return [
-            WorkerView(
-                worker_id=w["worker_id"], gpu_memory_gb=w["gpu_memory_gb"], slots=w["slots"],
-                engines=frozenset(EngineKind(e) for e in w["engines"]), up=w["status"] == "up",
-                instances=tuple(placed.get(w["worker_id"], ())),
-            )
+            WorkerView(worker_id=w.worker_id, gpu_memory_gb=w.gpu_memory_gb, slots=w.slots, engines=frozenset(w.engines),
+                       up=w.up, instances=tuple(placed.get(w.worker_id, ())))
             for w in self.view[WORKERS].values()
         ]
 

@@ -178,10 +178,10 @@ class Worker:
         """
         rows, _, _ = await rebuild(self.store, [INSTANCES])
         for row in rows[INSTANCES.name].values():
-            if row["worker_id"] != self.worker_id or row["instance_id"] in self.instances:
+            if row.worker_id != self.worker_id or row.instance_id in self.instances:
                 continue
-            inst = Instance(row["instance_id"], row["alias"], BackendType(row["backend_type"]),
-                            EngineKind(row["engine"]), S(row["state"]), sleep_level=row["sleep_level"])
+            inst = Instance(row.instance_id, row.alias, row.backend_type, row.engine, row.state, sleep_level=row.sleep_level,
+                            role=row.role)
             self.instances[inst.instance_id] = inst
             if inst.state is not S.ERROR:
                 await self._engine_gone(inst, None)

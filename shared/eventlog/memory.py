@@ -23,7 +23,7 @@ from shared.eventlog.store import (
     DuplicateEventError,
     EventStore,
     OutboxEvent,
-    RawEvent,
+    StoredEvent,
 )
 
 
@@ -107,14 +107,10 @@ class MemoryEventStore(EventStore):
         return [self._upcast(e) for e in self.log.events
                 if e.type == type_name and (alias is None or e.payload.get("alias") == alias)]
 
-    async def iter_raw(self, after: int, upto: int | None = None, batch: int = 20000,
-                       types: Collection[str] | None = None) -> AsyncIterator[list[RawEvent]]:
+    async def iter_events(self, after: int, upto: int | None = None, batch: int = 20000,
+                          types: Collection[str] | None = None) -> AsyncIterator[list[StoredEvent]]:
         end = len(self.log.events) if upto is None else min(upto, len(self.log.events))
         for start in range(max(0, after), end, batch):
-            out = []
-            for e in self.log.events[start:min(start + batch, end)]:
-                if (types is not None and e.type not in types) or not self.registry.known(e.type):
-                    continue
-                event = self._upcast(e)
-                out.append(RawEvent(e.position or 0, e.type, event.payload, e.occurred_at))
-            yield out
+            yield [StoredEvent(e.position or 0, e.occurred_at, self._decode(e.type, e.version, e.payload))
+                   for e in self.log.events[start:min(start + batch, end)]
+                   if (types is None or e.type in types) and self.registry.known(e.type)]

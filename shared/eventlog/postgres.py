@@ -27,7 +27,7 @@ from shared.eventlog.store import (
     DuplicateEventError,
     EventStore,
     OutboxEvent,
-    RawEvent,
+    StoredEvent,
 )
 
 _COLUMNS = "position, id, stream_id, stream_version, type, version, occurred_at, causation_id, correlation_id, payload"
@@ -290,19 +290,15 @@ class PostgresEventStore(EventStore):
                 text(f"SELECT {_COLUMNS} FROM events WHERE {' AND '.join(clauses)} ORDER BY position"), params)
             return [self._upcast(_envelope(row)) for row in result]
 
-    async def iter_raw(
+    async def iter_events(
         self, after: int, upto: int | None = None, batch: int = 20000, types: Collection[str] | None = None
-    ) -> AsyncIterator[list[RawEvent]]:
-        """Stream events in position order as upcast dicts, in batches, for projections.
-
-        One server-side cursor walks the position index once, so the cost stays
+    ) -> AsyncIterator[list[StoredEvent]]:
+        """One server-side cursor walks the position index once, so the cost stays
         linear in the events read, whatever the planner's statistics say, and
         memory stays flat. The next batch is fetched while the caller works on
-        the current one, so Postgres and Python run side by side. `types` limits
-        the read to the event types the caller folds.
-        """
-        registry = self.registry
-        latest: dict[str, int] = {}
+        the current one, so Postgres and Python run side by side."""
+        registry, decode = self.registry, self._decode
+        known: dict[str, bool] = {}
         query = "SELECT position, type, version, payload::text, occurred_at FROM events WHERE position > $1"
         args: list[Any] = [after]
         if upto is not None:
@@ -320,19 +316,16 @@ class PostgresEventStore(EventStore):
                 while rows:
                     upcoming = asyncio.ensure_future(cursor.fetch(batch))
                     await asyncio.sleep(0)  # let it send the request before we get busy
-                    out: list[RawEvent] = []
+                    out: list[StoredEvent] = []
                     try:
                         for position, type_name, version, payload_text, occurred_at in rows:
-                            current = latest.get(type_name)
-                            if current is None:
-                                if not registry.known(type_name):
-                                    # Written by a newer release: projections skip it rather than guess.
-                                    continue
-                                current = latest[type_name] = registry.contract(type_name).VERSION
-                            payload = orjson.loads(payload_text)
-                            if version != current:
-                                _, payload = registry.upcast(type_name, version, payload)
-                            out.append(RawEvent(position, type_name, payload, occurred_at))
+                            is_known = known.get(type_name)
+                            if is_known is None:
+                                # Written by a newer release: the read models skip it rather than guess.
+                                is_known = known[type_name] = registry.known(type_name)
+                            if is_known:
+                                out.append(StoredEvent(position, occurred_at,
+                                                       decode(type_name, version, orjson.loads(payload_text))))
                         yield out
                     except BaseException:
                         upcoming.cancel()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from shared.contracts.messages import Envelope, Registry
+from shared.contracts.messages import Envelope, Event, Registry
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -48,17 +48,16 @@ class Append:
     expected_version: int = ANY_VERSION
 
 
-class RawEvent(NamedTuple):
-    """A stored event as the projections read it: upcast, not validated (it was on append).
+class StoredEvent(NamedTuple):
+    """A stored event as the read models fold it: where it stands in the log, when, and the typed fact.
 
     A named tuple, not a frozen dataclass: a rebuild makes a million of them, and a
     frozen dataclass's __init__ costs several times more.
     """
 
     position: int
-    type: str
-    payload: dict[str, Any]
     occurred_at: datetime
+    event: Event
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,11 +167,17 @@ class EventStore(ABC):
         """Every stored event of one type (optionally of one alias), in log order, upcast."""
 
     @abstractmethod
-    def iter_raw(self, after: int, upto: int | None = None, batch: int = 20000,
-                 types: Collection[str] | None = None) -> AsyncIterator[list[RawEvent]]:
-        """Events after `after` (up to `upto`) in position order as upcast `RawEvent`s, in batches, for
-        projections; `types` limits the read to the types the caller folds. Types this code does not know
-        (written by a newer release) are skipped."""
+    def iter_events(self, after: int, upto: int | None = None, batch: int = 20000,
+                    types: Collection[str] | None = None) -> AsyncIterator[list[StoredEvent]]:
+        """Events after `after` (up to `upto`) in position order, upcast and decoded into their contracts, in
+        batches, for the read models; `types` limits the read to the types the caller folds. Types this code
+        does not know (written by a newer release) are skipped."""
+
+    def _decode(self, type_name: str, version: int, payload: dict[str, Any]) -> Event:
+        """A stored payload as its contract, at the latest version this code knows."""
+        if version != (contract := self.registry.contract(type_name)).VERSION:
+            _, payload = self.registry.upcast(type_name, version, payload)
+        return contract.model_validate(payload)  # type: ignore[return-value]
 
     def _upcast(self, envelope: Envelope) -> Envelope:
         """Readers see the latest version of every contract this code knows."""

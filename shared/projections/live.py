@@ -19,7 +19,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.bus.subjects import Subjects
-from shared.eventlog.store import EventStore, RawEvent
+from shared.eventlog.store import EventStore, StoredEvent
 from shared.faults import Outage
 from shared.projections.projector import load_position, load_rows
 from shared.projections.readmodels import Projection, Rows
@@ -36,13 +36,13 @@ class LiveView:
         self.position = 0
         self._wake = asyncio.Event()
         self._folding = asyncio.Lock()
-        self._listeners: list[Callable[[Sequence[RawEvent]], None]] = []
+        self._listeners: list[Callable[[Sequence[StoredEvent]], None]] = []
         self._watched: dict[str, list[set[str]]] = {}
 
     def __getitem__(self, projection: Projection) -> Rows:
         return self.rows[projection.name]
 
-    def add_listener(self, listener: Callable[[Sequence[RawEvent]], None]) -> None:
+    def add_listener(self, listener: Callable[[Sequence[StoredEvent]], None]) -> None:
         """Call `listener` with every batch of events once the rows include them.
 
         A service that waits for the view to show something (the gateway holding a
@@ -84,7 +84,7 @@ class LiveView:
         applied = 0
         # One fold at a time: two readers starting from the same position would fold events twice.
         async with self._folding:
-            async for events in self.store.iter_raw(self.position):
+            async for events in self.store.iter_events(self.position):
                 for event in events:
                     for p in self.projections:
                         touched = p.apply(self.rows[p.name], event)

@@ -8,45 +8,24 @@ events at or below that position are recognised as already applied.
 from __future__ import annotations
 
 import gc
-import json
-from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from shared.eventlog.store import EventStore, RawEvent
-from shared.projections.readmodels import ALL_PROJECTIONS, Projection, Rows
-
-
-def _to_db(projection: Projection, row: dict[str, Any]) -> list[Any]:
-    values = []
-    for column in projection.columns:
-        value = row.get(column)
-        if value is not None and column in projection.json_columns:
-            value = json.dumps(value, sort_keys=True)
-        elif isinstance(value, str) and column in projection.time_columns:
-            value = datetime.fromisoformat(value)
-        values.append(value)
-    return values
-
-
-def _from_db(projection: Projection, record: Any) -> dict[str, Any]:
-    row = dict(record)
-    for column in projection.json_columns:
-        if isinstance(row.get(column), str):
-            row[column] = json.loads(row[column])
-    return row
+from shared.eventlog.store import EventStore, StoredEvent
+from shared.projections.readmodels import ALL_PROJECTIONS, Projection, Reducer, Rows
 
 
 async def _raw(conn: AsyncConnection) -> Any:
     return (await conn.get_raw_connection()).driver_connection
 
 
-async def load_rows(conn: AsyncConnection, projection: Projection) -> Rows:
+async def load_rows(conn: AsyncConnection, projection: Projection[Any]) -> Rows:
     raw = await _raw(conn)
-    records = await raw.fetch(f"SELECT {', '.join(projection.columns)} FROM {projection.table}")
-    return {r[projection.key]: _from_db(projection, r) for r in records}
+    records = await raw.fetch(f"SELECT {', '.join(projection.row.columns())} FROM {projection.table}")
+    rows = (projection.row.from_record(r) for r in records)  # type: ignore[attr-defined]
+    return {row.key: row for row in rows}
 
 
 async def load_position(conn: AsyncConnection, name: str) -> int:
@@ -55,21 +34,22 @@ async def load_position(conn: AsyncConnection, name: str) -> int:
     return int(value or 0)
 
 
-async def write_rows(conn: AsyncConnection, projection: Projection, rows: Rows, keys: Sequence[str]) -> None:
+async def write_rows(conn: AsyncConnection, projection: Projection[Any], rows: Rows, keys: Sequence[str]) -> None:
     """Upsert the rows for `keys` that exist and delete the ones that no longer do."""
     raw = await _raw(conn)
+    key = projection.row.KEY  # type: ignore[attr-defined]
     gone = [k for k in keys if k not in rows]
     present = [rows[k] for k in keys if k in rows]
     if gone:
-        await raw.execute(f"DELETE FROM {projection.table} WHERE {projection.key} = ANY($1::text[])", gone)
+        await raw.execute(f"DELETE FROM {projection.table} WHERE {key} = ANY($1::text[])", gone)
     if present:
-        cols = projection.columns
+        cols = projection.row.columns()  # type: ignore[attr-defined]
         placeholders = ", ".join(f"${i}" for i in range(1, len(cols) + 1))
-        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols if c != projection.key)
+        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols if c != key)
         await raw.executemany(
             f"INSERT INTO {projection.table} ({', '.join(cols)}) VALUES ({placeholders})"
-            f" ON CONFLICT ({projection.key}) DO UPDATE SET {updates}",
-            [_to_db(projection, row) for row in present],
+            f" ON CONFLICT ({key}) DO UPDATE SET {updates}",
+            [row.to_record() for row in present],
         )
 
 
@@ -113,12 +93,12 @@ class Projector:
         if self.stale:
             await self.load()
         applied = 0
-        async for events in self.store.iter_raw(self.position, upto, batch):
+        async for events in self.store.iter_events(self.position, upto, batch):
             if events:
                 applied += await self._apply_batch(events)
         return applied
 
-    async def _apply_batch(self, events: list[RawEvent]) -> int:
+    async def _apply_batch(self, events: list[StoredEvent]) -> int:
         touched: dict[str, dict[str, None]] = {p.name: {} for p in self.projections}
         applied = 0
         for event in events:
@@ -150,7 +130,7 @@ async def rebuild(store: EventStore, projections: Sequence[Projection] = ALL_PRO
     """Fold the log (up to `upto`) into fresh rows in memory: (rows per projection, last position, events read)."""
     rows: dict[str, Rows] = {p.name: {} for p in projections}
     # event type -> the (rows, reducer) pairs that fold it, resolved once for the hot loop
-    folds: dict[str, list[tuple[Rows, Callable[[Rows, RawEvent], Iterable[str]]]]] = {}
+    folds: dict[str, list[tuple[Rows, Reducer]]] = {}
     for p in projections:
         for type_name, reducer in p.reducers.items():
             folds.setdefault(type_name, []).append((rows[p.name], reducer))
@@ -161,10 +141,11 @@ async def rebuild(store: EventStore, projections: Sequence[Projection] = ALL_PRO
     collecting = gc.isenabled()
     gc.disable()
     try:
-        async for events in store.iter_raw(0, upto, types=folds.keys()):
-            for event in events:
-                for target, reducer in folds[event.type]:
-                    reducer(target, event)
+        async for events in store.iter_events(0, upto, types=folds.keys()):
+            for stored in events:
+                event, at = stored.event, stored.occurred_at
+                for target, reducer in folds[event.TYPE]:
+                    reducer(target, event, at)
             count += len(events)
             if events:
                 last = events[-1].position

@@ -1,391 +1,307 @@
-"""The read models, as reducers over the event log.
+"""The read models, as reducers over the event log's typed facts.
 
-A projection owns a dict of rows keyed by its primary key and folds events into
-it. `apply` is deterministic and does no I/O: the live projector, a rebuild, a
-service keeping a copy in memory and `modelpool replay` all run this same code,
-so a rebuild from the log is equal to the live tables by construction — and any
-difference `replay` finds means a row was changed behind the log's back.
+A projection owns a dict of frozen rows (`rows.py`) keyed by its primary key and
+folds events into it, one reducer per event class. `apply` is deterministic and
+does no I/O: the projector, a rebuild, a service keeping a copy in memory and
+`modelpool replay` all run this same code, so a rebuild from the log is equal to
+the live tables by construction — and any difference `replay` finds means a row
+was changed behind the log's back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any, Generic, TypeVar
 
-from shared.contracts.events import EVENTS
-from shared.eventlog.store import RawEvent
+from shared.contracts.backends import Action, CommandOutcome
+from shared.contracts.control import StartFailure
+from shared.contracts.events import (
+    EVENTS,
+    AliasConfigured,
+    InstanceCommandCompleted,
+    InstanceLoadReported,
+    InstanceStateChanged,
+    MixWeightChanged,
+    PlacementFailed,
+    PlacementRequested,
+    PolicyDecided,
+    RoutingStateChanged,
+    ScalingTargetsChanged,
+    SessionBound,
+    SessionMigrated,
+    SessionReleased,
+    WorkerDeregistered,
+    WorkerLost,
+    WorkerRegistered,
+)
+from shared.contracts.messages import Event
+from shared.contracts.states import InstanceState, RoutingState
+from shared.eventlog.store import StoredEvent
+from shared.projections.rows import (
+    ControlRow,
+    InstanceNote,
+    InstanceRow,
+    PendingCommandRow,
+    RoutingRow,
+    SessionRow,
+    WorkerRow,
+    WorkerStatus,
+)
 
-Row = dict[str, Any]
-Rows = dict[str, Row]
+R = TypeVar("R")
+Rows = dict[str, Any]
+"""A projection's rows by key (each projection's row type: `Projection.row`)."""
+Reducer = Callable[[dict[str, Any], Any, datetime], Iterable[str]]
+"""(rows, the typed event, when it happened) -> the keys it touched (deleted ones included)."""
 
 
 @dataclass(frozen=True)
-class Projection:
+class Projection(Generic[R]):
     name: str
     table: str
-    key: str
-    columns: tuple[str, ...]
-    json_columns: frozenset[str]
-    time_columns: frozenset[str]
-    reducers: dict[str, Callable[[Rows, RawEvent], Iterable[str]]]
+    row: type[R]
+    reducers: dict[str, Reducer]
+    """Event type name -> its reducer: one per event class the projection folds."""
 
-    def apply(self, rows: Rows, event: RawEvent) -> Iterable[str]:
+    def apply(self, rows: dict[str, R], stored: StoredEvent) -> Iterable[str]:
         """Fold one event into `rows`; return the keys it touched (deleted keys included)."""
-        reducer = self.reducers.get(event.type)
-        return reducer(rows, event) if reducer else ()
+        reducer = self.reducers.get(stored.event.TYPE)
+        return reducer(rows, stored.event, stored.occurred_at) if reducer else ()
 
 
-def _time(value: str | None) -> datetime | None:
-    """Timestamps inside payloads arrive as ISO text; rows hold datetimes, like the columns."""
-    return datetime.fromisoformat(value) if value else None
+def reducers(*pairs: tuple[type[Event], Reducer]) -> dict[str, Reducer]:
+    return {event.TYPE: reduce for event, reduce in pairs}
 
 
 # --------------------------------------------------------------------------- routing
 
 
-def _routing_row(rows: Rows, alias: str, event: RawEvent) -> Row:
+def _routing_row(rows: dict[str, RoutingRow], alias: str, at: datetime) -> RoutingRow:
     row = rows.get(alias)
     if row is None:
-        row = rows[alias] = {
-            "alias": alias,
-            "state": "COLD",
-            "mix_weight": 0.0,
-            "switch_reason": None,
-            "switched_at": None,
-            "cooldown_until": None,
-            "targets": {},
-            "config": None,
-            "updated_at": event.occurred_at,
-        }
-    row["updated_at"] = event.occurred_at
-    return row
+        return RoutingRow(alias, RoutingState.COLD, 0.0, None, None, None, {}, None, at)
+    return replace(row, updated_at=at)
 
 
-def _alias_configured(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    existed = p["alias"] in rows
-    row = _routing_row(rows, p["alias"], event)
-    if not existed:
-        row["state"] = p["config"].get("routing_state", "COLD")
-    row["config"] = p["config"]
-    return (p["alias"],)
+def _alias_configured(rows: dict[str, RoutingRow], e: AliasConfigured, at: datetime) -> Iterable[str]:
+    existed = e.alias in rows
+    row = _routing_row(rows, e.alias, at)
+    rows[e.alias] = replace(row, config=e.config, state=row.state if existed else e.config.routing_state)
+    return (e.alias,)
 
 
-def _routing_changed(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    row = _routing_row(rows, p["alias"], event)
-    row.update(
-        state=p["to_state"],
-        mix_weight=p["mix_weight"],
-        switch_reason=p["reason"],
-        switched_at=event.occurred_at,
-        cooldown_until=_time(p.get("cooldown_until")),
-    )
-    return (p["alias"],)
+def _routing_changed(rows: dict[str, RoutingRow], e: RoutingStateChanged, at: datetime) -> Iterable[str]:
+    rows[e.alias] = replace(_routing_row(rows, e.alias, at), state=e.to_state, mix_weight=e.mix_weight,
+                            switch_reason=e.reason, switched_at=at, cooldown_until=e.cooldown_until)
+    return (e.alias,)
 
 
-def _mix_weight_changed(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    _routing_row(rows, p["alias"], event)["mix_weight"] = p["to_weight"]
-    return (p["alias"],)
+def _mix_weight_changed(rows: dict[str, RoutingRow], e: MixWeightChanged, at: datetime) -> Iterable[str]:
+    rows[e.alias] = replace(_routing_row(rows, e.alias, at), mix_weight=e.to_weight)
+    return (e.alias,)
 
 
-def _targets_changed(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    _routing_row(rows, p["alias"], event)["targets"] = dict(p["targets"])
-    return (p["alias"],)
+def _targets_changed(rows: dict[str, RoutingRow], e: ScalingTargetsChanged, at: datetime) -> Iterable[str]:
+    rows[e.alias] = replace(_routing_row(rows, e.alias, at), targets=dict(e.targets))
+    return (e.alias,)
 
 
-ROUTING = Projection(
-    name="routing",
-    table="proj_routing",
-    key="alias",
-    columns=("alias", "state", "mix_weight", "switch_reason", "switched_at", "cooldown_until", "targets", "config", "updated_at"),
-    json_columns=frozenset({"targets", "config"}),
-    time_columns=frozenset({"switched_at", "cooldown_until", "updated_at"}),
-    reducers={
-        "AliasConfigured": _alias_configured,
-        "RoutingStateChanged": _routing_changed,
-        "MixWeightChanged": _mix_weight_changed,
-        "ScalingTargetsChanged": _targets_changed,
-    },
-)
+ROUTING: Projection[RoutingRow] = Projection("routing", "proj_routing", RoutingRow, reducers(
+    (AliasConfigured, _alias_configured),
+    (RoutingStateChanged, _routing_changed),
+    (MixWeightChanged, _mix_weight_changed),
+    (ScalingTargetsChanged, _targets_changed),
+))
 
 
 # --------------------------------------------------------------------------- instances
 
+_RESETS_LOAD = frozenset({InstanceState.STARTING, InstanceState.ERROR, InstanceState.DELETING})
 
-def _instance_state(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    key = p["instance_id"]
-    if p["to_state"] == "ABSENT":
+
+def _instance_state(rows: dict[str, InstanceRow], e: InstanceStateChanged, at: datetime) -> Iterable[str]:
+    if e.to_state is InstanceState.ABSENT:
         # Seed 000 §4.2: a deleted instance leaves the instance table; no "stopped" ghosts.
-        rows.pop(key, None)
-        return (key,)
-    row = rows.get(key)
-    if row is None:
-        row = rows[key] = {"instance_id": key, "inflight": 0}
-    row.update(
-        alias=p["alias"],
-        backend_type=p["backend_type"],
-        engine=p["engine"],
-        worker_id=p["worker_id"],
-        state=p["to_state"],
-        sleep_level=p.get("sleep_level", 0),
-        capacity=p.get("capacity", row.get("capacity")),
-        endpoint=p.get("endpoint") or row.get("endpoint"),
-        internal_endpoint=p.get("internal_endpoint") or row.get("internal_endpoint"),
-        role=p.get("role") or row.get("role"),
-        reason=p["reason"],
-        updated_at=event.occurred_at,
+        rows.pop(e.instance_id, None)
+        return (e.instance_id,)
+    old = rows.get(e.instance_id)
+    rows[e.instance_id] = InstanceRow(
+        e.instance_id, e.alias, e.backend_type, e.engine, e.worker_id, e.to_state, e.sleep_level,
+        0 if old is None or e.to_state in _RESETS_LOAD else old.inflight,
+        e.capacity,  # what the engine has now: none while it is not up
+        e.endpoint or (old.endpoint if old else None),
+        e.internal_endpoint or (old.internal_endpoint if old else None),
+        e.role or (old.role if old else None),
+        e.reason, at,
     )
-    if p["to_state"] in ("STARTING", "ERROR", "DELETING"):
-        row["inflight"] = 0
-    return (key,)
+    return (e.instance_id,)
 
 
-def _instance_load(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    row = rows.get(p["instance_id"])
+def _instance_load(rows: dict[str, InstanceRow], e: InstanceLoadReported, at: datetime) -> Iterable[str]:
+    row = rows.get(e.instance_id)
     if row is None:  # a late report about an instance already gone
         return ()
-    row["inflight"] = p["inflight"]
-    if p.get("capacity") is not None:
-        row["capacity"] = p["capacity"]
-    row["updated_at"] = event.occurred_at
-    return (p["instance_id"],)
+    rows[e.instance_id] = replace(row, inflight=e.inflight, updated_at=at,
+                                  capacity=e.capacity if e.capacity is not None else row.capacity)
+    return (e.instance_id,)
 
 
-INSTANCES = Projection(
-    name="instances",
-    table="proj_instances",
-    key="instance_id",
-    columns=(
-        "instance_id",
-        "alias",
-        "backend_type",
-        "engine",
-        "worker_id",
-        "state",
-        "sleep_level",
-        "inflight",
-        "capacity",
-        "endpoint",
-        "internal_endpoint",
-        "role",
-        "reason",
-        "updated_at",
-    ),
-    json_columns=frozenset(),
-    time_columns=frozenset({"updated_at"}),
-    reducers={"InstanceStateChanged": _instance_state, "InstanceLoadReported": _instance_load},
-)
+INSTANCES: Projection[InstanceRow] = Projection("instances", "proj_instances", InstanceRow, reducers(
+    (InstanceStateChanged, _instance_state),
+    (InstanceLoadReported, _instance_load),
+))
 
 
 # --------------------------------------------------------------------------- sessions
 
 
-def _session_bound(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    rows[p["session_id"]] = {
-        "session_id": p["session_id"],
-        "alias": p["alias"],
-        "instance_id": p["instance_id"],
-        "bound_at": event.occurred_at,
-        "last_migrated_at": None,
-        "migrations": 0,
-    }
-    return (p["session_id"],)
+def _session_bound(rows: dict[str, SessionRow], e: SessionBound, at: datetime) -> Iterable[str]:
+    rows[e.session_id] = SessionRow(e.session_id, e.alias, e.instance_id, at, None, 0)
+    return (e.session_id,)
 
 
-def _session_migrated(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    row = rows.get(p["session_id"])
-    if row is None:
-        row = rows[p["session_id"]] = {
-            "session_id": p["session_id"],
-            "alias": p["alias"],
-            "bound_at": event.occurred_at,
-            "migrations": 0,
-        }
-    row.update(instance_id=p["to_instance_id"], last_migrated_at=event.occurred_at, migrations=row["migrations"] + 1)
-    return (p["session_id"],)
+def _session_migrated(rows: dict[str, SessionRow], e: SessionMigrated, at: datetime) -> Iterable[str]:
+    old = rows.get(e.session_id)
+    rows[e.session_id] = SessionRow(e.session_id, e.alias, e.to_instance_id, old.bound_at if old else at, at,
+                                    (old.migrations if old else 0) + 1)
+    return (e.session_id,)
 
 
-def _session_released(rows: Rows, event: RawEvent) -> Iterable[str]:
-    rows.pop(event.payload["session_id"], None)
-    return (event.payload["session_id"],)
+def _session_released(rows: dict[str, SessionRow], e: SessionReleased, at: datetime) -> Iterable[str]:
+    rows.pop(e.session_id, None)
+    return (e.session_id,)
 
 
-SESSIONS = Projection(
-    name="sessions",
-    table="proj_sessions",
-    key="session_id",
-    columns=("session_id", "alias", "instance_id", "bound_at", "last_migrated_at", "migrations"),
-    json_columns=frozenset(),
-    time_columns=frozenset({"bound_at", "last_migrated_at"}),
-    reducers={"SessionBound": _session_bound, "SessionMigrated": _session_migrated, "SessionReleased": _session_released},
-)
+SESSIONS: Projection[SessionRow] = Projection("sessions", "proj_sessions", SessionRow, reducers(
+    (SessionBound, _session_bound),
+    (SessionMigrated, _session_migrated),
+    (SessionReleased, _session_released),
+))
 
 
 # --------------------------------------------------------------------------- workers
 
 
-def _worker_registered(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    rows[p["worker_id"]] = {
-        "worker_id": p["worker_id"],
-        "host": p["host"],
-        "gpu_memory_gb": float(p["gpu_memory_gb"]),
-        "slots": p["slots"],
-        "engines": list(p["engines"]),
-        "status": "up",
-        "reason": None,
-        "registered_at": event.occurred_at,
-        "updated_at": event.occurred_at,
-    }
-    return (p["worker_id"],)
+def _worker_registered(rows: dict[str, WorkerRow], e: WorkerRegistered, at: datetime) -> Iterable[str]:
+    rows[e.worker_id] = WorkerRow(e.worker_id, e.host, float(e.gpu_memory_gb), e.slots, tuple(e.engines),
+                                  WorkerStatus.UP, None, at, at)
+    return (e.worker_id,)
 
 
-def _worker_gone(status: str) -> Callable[[Rows, RawEvent], Iterable[str]]:
-    def reduce(rows: Rows, event: RawEvent) -> Iterable[str]:
-        row = rows.get(event.payload["worker_id"])
+def _worker_gone(status: WorkerStatus) -> Reducer:
+    def reduce(rows: dict[str, WorkerRow], e: WorkerDeregistered | WorkerLost, at: datetime) -> Iterable[str]:
+        row = rows.get(e.worker_id)
         if row is None:
             return ()
-        row.update(status=status, reason=event.payload["reason"], updated_at=event.occurred_at)
-        return (event.payload["worker_id"],)
+        rows[e.worker_id] = replace(row, status=status, reason=e.reason, updated_at=at)
+        return (e.worker_id,)
 
     return reduce
 
 
-WORKERS = Projection(
-    name="workers",
-    table="proj_workers",
-    key="worker_id",
-    columns=("worker_id", "host", "gpu_memory_gb", "slots", "engines", "status", "reason", "registered_at", "updated_at"),
-    json_columns=frozenset({"engines"}),
-    time_columns=frozenset({"registered_at", "updated_at"}),
-    reducers={
-        "WorkerRegistered": _worker_registered,
-        "WorkerDeregistered": _worker_gone("stopped"),
-        "WorkerLost": _worker_gone("lost"),
-    },
-)
+WORKERS: Projection[WorkerRow] = Projection("workers", "proj_workers", WorkerRow, reducers(
+    (WorkerRegistered, _worker_registered),
+    (WorkerDeregistered, _worker_gone(WorkerStatus.STOPPED)),
+    (WorkerLost, _worker_gone(WorkerStatus.LOST)),
+))
+
 
 # --------------------------------------------------------------------------- the controller's view
 
-# Every event of an alias's stream (`alias:<name>`), so the row's `version` is that stream's version.
-ALIAS_STREAM_TYPES = frozenset(c.TYPE for c in EVENTS if c.CATEGORY == "alias")
+ALIAS_EVENTS: tuple[type[Event], ...] = tuple(c for c in EVENTS if c.CATEGORY == "alias")
+"""Every event of an alias's stream (`alias:<name>`): the row's `version` is that stream's version."""
 
 
-def _control_row(rows: Rows, alias: str, event: RawEvent) -> Row:
+def _control_row(rows: dict[str, ControlRow], alias: str, at: datetime) -> ControlRow:
     row = rows.get(alias)
-    if row is None:
-        row = rows[alias] = {"alias": alias, "version": 0, "policy": None, "state": None, "decided_at": None,
-                             "pending": {}, "start_failures": {}, "notes": {}}
-    row["updated_at"] = event.occurred_at
-    return row
+    return replace(row, updated_at=at) if row is not None else ControlRow(alias, updated_at=at)
 
 
-def _control_alias_event(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    row = _control_row(rows, p["alias"], event)
-    row["version"] += 1
-    if event.type == "PolicyDecided":
-        decision = p["decision"]
-        row.update(policy=p["policy"], state=decision["state"], decided_at=_time(p["decided_at"]))
-        for a in decision["actions"]:
-            row["pending"][a["command_id"]] = {
-                "action": a["action"], "backend": a["backend"], "instance_id": a["instance_id"],
-                "worker_id": a["worker_id"], "level": a["level"], "issued_at": event.occurred_at.isoformat(),
-                "acked": False, "role": a.get("role"),
-            }
-    return (p["alias"],)
+def _control_alias_event(rows: dict[str, ControlRow], e: Any, at: datetime) -> Iterable[str]:
+    row = _control_row(rows, e.alias, at)
+    row = replace(row, version=row.version + 1)
+    if isinstance(e, PolicyDecided):
+        pending = dict(row.pending)
+        for a in e.decision.actions:
+            pending[str(a.command_id)] = PendingCommandRow(a.action, a.backend, a.instance_id, a.worker_id, a.level,
+                                                           at, False, a.role)
+        row = replace(row, policy=e.policy, state=e.decision.state, decided_at=e.decided_at, pending=pending)
+    rows[e.alias] = row
+    return (e.alias,)
 
 
-def _control_placement_requested(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    row = rows.get(p["alias"])
-    command = row and row["pending"].get(p["request_id"])
-    if command is None:
+def _control_placement_requested(rows: dict[str, ControlRow], e: PlacementRequested, at: datetime) -> Iterable[str]:
+    row = rows.get(e.alias)
+    command = row.pending.get(str(e.request_id)) if row else None
+    if row is None or command is None:
         return ()
-    command["acked"] = True
-    return (p["alias"],)
+    rows[e.alias] = replace(row, pending={**row.pending, str(e.request_id): replace(command, acked=True)})
+    return (e.alias,)
 
 
-def _control_placement_failed(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    row = _control_row(rows, p["alias"], event)
-    row["pending"].pop(p["request_id"], None)
-    row["start_failures"][p["backend_type"]] = {"instance_id": p["instance_id"], "at": event.occurred_at.isoformat(),
-                                               "reason": p["reason"]}
-    return (p["alias"],)
+def _control_placement_failed(rows: dict[str, ControlRow], e: PlacementFailed, at: datetime) -> Iterable[str]:
+    row = _control_row(rows, e.alias, at)
+    pending = {c: p for c, p in row.pending.items() if c != str(e.request_id)}
+    failures = {**row.start_failures, e.backend_type: StartFailure(e.instance_id, at, e.reason)}
+    rows[e.alias] = replace(row, pending=pending, start_failures=failures)
+    return (e.alias,)
 
 
-def _control_instance_changed(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    row = _control_row(rows, p["alias"], event)
-    pending = row["pending"]
-    if p.get("command_id") in pending:
-        pending[p["command_id"]]["acked"] = True
-    instance = p["instance_id"]
-    for command_id, command in list(pending.items()):
+def _control_instance_changed(rows: dict[str, ControlRow], e: InstanceStateChanged, at: datetime) -> Iterable[str]:
+    row = _control_row(rows, e.alias, at)
+    pending = dict(row.pending)
+    command_id = str(e.command_id) if e.command_id else None
+    if command_id in pending:
+        pending[command_id] = replace(pending[command_id], acked=True)
+    for cid, command in list(pending.items()):
         # A start is done once its instance is in the log: from then on the instance
         # itself is what counts, and it must be free to take a cancel.
-        if command["instance_id"] == instance and (command["action"] == "start" or p["to_state"] == "ABSENT"):
-            del pending[command_id]
-    if p["from_state"] == "STARTING" and p["to_state"] == "ERROR":
-        row["start_failures"][p["backend_type"]] = {"instance_id": instance, "at": event.occurred_at.isoformat(),
-                                                   "reason": p["reason"]}
-    if p["to_state"] == "ABSENT":
-        row["notes"].pop(instance, None)
-    return (p["alias"],)
+        if command.instance_id == e.instance_id and (command.action is Action.START or e.to_state is InstanceState.ABSENT):
+            del pending[cid]
+    failures, notes = row.start_failures, row.notes
+    if e.from_state is InstanceState.STARTING and e.to_state is InstanceState.ERROR:
+        failures = {**failures, e.backend_type: StartFailure(e.instance_id, at, e.reason)}
+    if e.to_state is InstanceState.ABSENT and e.instance_id in notes:
+        notes = {i: n for i, n in notes.items() if i != e.instance_id}
+    rows[e.alias] = replace(row, pending=pending, start_failures=failures, notes=notes)
+    return (e.alias,)
 
 
-def _control_command_completed(rows: Rows, event: RawEvent) -> Iterable[str]:
-    p = event.payload
-    row = rows.get(p["alias"])
-    if row is None or row["pending"].pop(p["command_id"], None) is None:
+def _control_command_completed(rows: dict[str, ControlRow], e: InstanceCommandCompleted, at: datetime) -> Iterable[str]:
+    row = rows.get(e.alias)
+    if row is None or str(e.command_id) not in row.pending:
         return ()
-    note = row["notes"].setdefault(p["instance_id"], {"unsupported": [], "last_failure": None})
-    if p["outcome"] == "unsupported" and p["action"] not in note["unsupported"]:
-        note["unsupported"].append(p["action"])
-    elif p["outcome"] in ("failed", "rejected"):
-        note["last_failure"] = [p["action"], event.occurred_at.isoformat()]
-    row["updated_at"] = event.occurred_at
-    return (p["alias"],)
+    note = row.notes.get(e.instance_id) or InstanceNote()
+    if e.outcome is CommandOutcome.UNSUPPORTED and e.action not in note.unsupported:
+        note = replace(note, unsupported=(*note.unsupported, e.action))
+    elif e.outcome in (CommandOutcome.FAILED, CommandOutcome.REJECTED):
+        note = replace(note, last_failure=(e.action, at))
+    rows[e.alias] = replace(row, pending={c: p for c, p in row.pending.items() if c != str(e.command_id)},
+                            notes={**row.notes, e.instance_id: note}, updated_at=at)
+    return (e.alias,)
 
 
-def _control_worker_lost(rows: Rows, event: RawEvent) -> Iterable[str]:
+def _control_worker_lost(rows: dict[str, ControlRow], e: WorkerLost, at: datetime) -> Iterable[str]:
     """Commands sent to a lost worker will not be answered: stop waiting for them."""
     touched = []
-    for alias, row in rows.items():
-        lost = [c for c, command in row["pending"].items() if command["worker_id"] == event.payload["worker_id"]]
-        for command_id in lost:
-            del row["pending"][command_id]
-        if lost:
-            row["updated_at"] = event.occurred_at
+    for alias, row in list(rows.items()):
+        kept = {c: p for c, p in row.pending.items() if p.worker_id != e.worker_id}
+        if len(kept) != len(row.pending):
+            rows[alias] = replace(row, pending=kept, updated_at=at)
             touched.append(alias)
     return touched
 
 
-CONTROL = Projection(
-    name="control",
-    table="proj_control",
-    key="alias",
-    columns=("alias", "version", "policy", "state", "decided_at", "pending", "start_failures", "notes", "updated_at"),
-    json_columns=frozenset({"state", "pending", "start_failures", "notes"}),
-    time_columns=frozenset({"decided_at", "updated_at"}),
-    reducers={
-        **{type_name: _control_alias_event for type_name in ALIAS_STREAM_TYPES},
-        "PlacementRequested": _control_placement_requested,
-        "PlacementFailed": _control_placement_failed,
-        "InstanceStateChanged": _control_instance_changed,
-        "InstanceCommandCompleted": _control_command_completed,
-        "WorkerLost": _control_worker_lost,
-    },
-)
+CONTROL: Projection[ControlRow] = Projection("control", "proj_control", ControlRow, reducers(
+    *((event, _control_alias_event) for event in ALIAS_EVENTS),
+    (PlacementRequested, _control_placement_requested),
+    (PlacementFailed, _control_placement_failed),
+    (InstanceStateChanged, _control_instance_changed),
+    (InstanceCommandCompleted, _control_command_completed),
+    (WorkerLost, _control_worker_lost),
+))
 
-ALL_PROJECTIONS: tuple[Projection, ...] = (ROUTING, INSTANCES, SESSIONS, WORKERS, CONTROL)
+ALL_PROJECTIONS: tuple[Projection[Any], ...] = (ROUTING, INSTANCES, SESSIONS, WORKERS, CONTROL)
+

@@ -43,7 +43,7 @@ async def test_a_failed_write_then_a_failed_reload_fold_nothing_twice(store, set
     assert not projector.stale and projector.position == head
 
     rebuilt, _, _ = await rebuild(store, ALL_PROJECTIONS)
-    assert projector.rows["control"][ALIAS]["version"] == rebuilt["control"][ALIAS]["version"]  # not doubled
+    assert projector.rows["control"][ALIAS].version == rebuilt["control"][ALIAS].version  # not doubled
     assert projector.rows == rebuilt
     report = await replay(settings)
     assert report.consistent, [d.describe() for d in report.differences]

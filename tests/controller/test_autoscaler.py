@@ -18,7 +18,9 @@ from services.ops.verify import verify_decisions
 from services.placement.service import Placement
 from shared.bus import subjects as h
 from shared.bus.telemetry import TelemetryBus
-from shared.contracts.backends import EngineKind
+from shared.contracts.backends import Action, BackendType, EngineKind
+from shared.contracts.states import InstanceState, RoutingState
+from shared.projections.rows import InstanceRow
 from shared.contracts.commands import PlaceInstance, StartInstance
 from shared.contracts.config import load_pool_config
 from shared.contracts.events import PolicyDecided, WorkerRegistered, event_registry
@@ -155,7 +157,8 @@ async def test_verify_decisions_passes_on_a_real_run_and_fails_after_tampering(
     stop = asyncio.Event()
     task = await running(c, stop)
     await telemetry_bus.publish_demand(DemandSignal(gateway_id="g1", alias="tiny", held=2, at=datetime.now(timezone.utc)))
-    await eventually(lambda: (c.view[ROUTING].get("tiny") or {}).get("state") == "FAST_ONLY", timeout=10)
+    await eventually(lambda: "tiny" in c.view[ROUTING] and c.view[ROUTING]["tiny"].state is RoutingState.FAST_ONLY,
+                     timeout=10)
     stop.set()
     await task
     env = {**os.environ, "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url,
@@ -182,13 +185,13 @@ async def test_the_control_view_counts_the_alias_stream_and_tracks_commands_unti
     stop = asyncio.Event()
     task = await running(c, stop)
     await telemetry_bus.publish_demand(DemandSignal(gateway_id="g1", alias="tiny", held=2, at=datetime.now(timezone.utc)))
-    await eventually(lambda: (c.view[CONTROL].get("tiny") or {}).get("pending"), timeout=10)
+    await eventually(lambda: "tiny" in c.view[CONTROL] and c.view[CONTROL]["tiny"].pending, timeout=10)
     stop.set()
     await task
     row = c.view[CONTROL]["tiny"]
-    assert row["version"] == await store.stream_version("alias:tiny")
-    (pending,) = row["pending"].values()
-    assert pending["action"] == "start" and pending["acked"] is False
+    assert row.version == await store.stream_version("alias:tiny")
+    (pending,) = row.pending.values()
+    assert pending.action is Action.START and pending.acked is False
 
 
 HETERO = """
@@ -219,8 +222,8 @@ async def test_a_heteroscale_alias_places_prefill_and_decode_instances_and_reads
     assert sorted(p.role.value for p in placed) == ["decode", "prefill"]
     decided = [e for e in await store.history("pd") if e.type == PolicyDecided.TYPE][-1].payload
     assert decided["policy"] == "heteroscale" and decided["decision"]["roles"] == {"prefill": 1, "decode": 1}
-    row = {"instance_id": placed[0].instance_id, "backend_type": "vllm", "engine": "simulator", "worker_id": "w1",
-           "state": "RUNNING", "updated_at": datetime.now(timezone.utc), "sleep_level": 0, "role": placed[0].role.value}
+    row = InstanceRow(placed[0].instance_id, "pd", BackendType.VLLM, EngineKind.SIMULATOR, "w1", InstanceState.RUNNING,
+                      0, 0, None, None, None, placed[0].role, "started", datetime.now(timezone.utc))
     assert instance_view(row, None, True, True, None).role is Role(placed[0].role.value)
 
 

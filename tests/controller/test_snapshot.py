@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import pickle
 import uuid
-from dataclasses import FrozenInstanceError
+from dataclasses import FrozenInstanceError, replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 
 from services.autoscaler.facts import LiveFacts
 from services.autoscaler.snapshot import InstanceViews, instance_views
-from shared.contracts.backends import BackendType, EngineKind
+from shared.contracts.backends import Action, BackendType, EngineKind
 from shared.contracts.control import Decision, InstanceView, PolicyState, builder
 from shared.contracts.states import InstanceState
 from shared.contracts.telemetry import InstanceStatus, WorkerHeartbeat
+from shared.projections.rows import InstanceNote, InstanceRow
 
 T0 = datetime(2026, 11, 23, 8, 0, tzinfo=timezone.utc)
 ALIASES = ("a", "b")
@@ -63,7 +64,8 @@ def test_the_facts_note_changed_and_vanished_reports_only():
 step = st.one_of(
     st.tuples(st.just("report"), st.sampled_from(INSTANCES), st.integers(0, 3), st.booleans(), st.sampled_from([None, 4, 8])),
     st.tuples(st.just("silence"), st.sampled_from(INSTANCES)),
-    st.tuples(st.just("row"), st.sampled_from(INSTANCES), st.sampled_from(["RUNNING", "SLEEP_1", "DRAINING", "ERROR"])),
+    st.tuples(st.just("row"), st.sampled_from(INSTANCES),
+              st.sampled_from([InstanceState.RUNNING, InstanceState.SLEEP_1, InstanceState.DRAINING, InstanceState.ERROR])),
     st.tuples(st.just("add"), st.sampled_from(INSTANCES)),
     st.tuples(st.just("remove"), st.sampled_from(INSTANCES)),
     st.tuples(st.just("note"), st.sampled_from(INSTANCES)),
@@ -88,9 +90,9 @@ def test_views_kept_between_ticks_equal_views_built_afresh(steps):
 
     def add(instance_id: str) -> None:
         alias = instance_id.split("-")[0]
-        rows[alias][instance_id] = {"instance_id": instance_id, "alias": alias, "backend_type": "llama.cpp",
-                                    "engine": "llama.cpp", "worker_id": worker_of(instance_id), "state": "RUNNING",
-                                    "sleep_level": 0, "capacity": 8, "updated_at": now}
+        rows[alias][instance_id] = InstanceRow(instance_id, alias, BackendType.LLAMA_CPP, EngineKind.LLAMA_CPP,
+                                               worker_of(instance_id), InstanceState.RUNNING, 0, 0, 8, None, None, None,
+                                               "started", now)
         touched.add(alias)
 
     for instance_id in INSTANCES[::2]:
@@ -104,7 +106,7 @@ def test_views_kept_between_ticks_equal_views_built_afresh(steps):
         elif kind == "silence":
             reports[worker_of(args[0])].pop(args[0], None)
         elif kind == "row" and args[0] in rows[alias]:
-            rows[alias][args[0]].update(state=args[1], updated_at=now)  # in place, as the projection does
+            rows[alias][args[0]] = replace(rows[alias][args[0]], state=args[1], updated_at=now)  # as the projection does
             touched.add(alias)
         elif kind == "add":
             add(args[0])
@@ -112,7 +114,7 @@ def test_views_kept_between_ticks_equal_views_built_afresh(steps):
             rows[alias].pop(args[0], None)
             touched.add(alias)
         elif kind == "note":
-            notes[alias][args[0]] = {"unsupported": ["sleep"], "last_failure": ["wake", now.isoformat()]}
+            notes[alias][args[0]] = InstanceNote((Action.SLEEP,), (Action.WAKE, now))
             touched.add(alias)
         elif kind == "worker":
             up ^= {args[0]}

@@ -180,9 +180,9 @@ async def test_old_event_versions_stay_stored_as_written_and_are_read_upcast(any
     assert event.version == 2 and event.payload == {"name": "x", "alias": "a"}
     (stored,) = await old_code.read_stream("ping:x")  # code that knows only v1 reads what is stored
     assert stored.version == 1 and stored.payload == {"who": "x"}  # never rewritten
-    (raw,) = [e async for batch in new_code.iter_raw(0) for e in batch]
-    assert raw.payload == {"name": "x", "alias": "a"}
-    assert [e async for batch in writer_of(Registry([])).iter_raw(0) for e in batch] == []  # unknown types skipped
+    (typed,) = [e async for batch in new_code.iter_events(0) for e in batch]
+    assert isinstance(typed.event, Ping) and typed.event.name == "x" and typed.position == stored.position
+    assert [e async for batch in writer_of(Registry([])).iter_events(0) for e in batch] == []  # unknown types skipped
 
 
 async def test_every_reader_sees_the_same_log(any_store: EventStore):
@@ -197,8 +197,9 @@ async def test_every_reader_sees_the_same_log(any_store: EventStore):
     assert [o.id for o in outbox] == [str(e.id) for e in workers] and outbox[0].stream_id == "worker:w1"
     published = Envelope.model_validate_json(outbox[0].body)  # what the relay publishes, as it is stored
     assert published.id == workers[0].id and published.position == workers[0].position
-    raw = [e async for batch in any_store.iter_raw(0, upto=workers[0].position, batch=1) for e in batch]
-    assert [(e.position, e.type) for e in raw] == [(bound[0].position, "SessionBound"), (workers[0].position, "WorkerRegistered")]
-    only = [e async for batch in any_store.iter_raw(0, types={"WorkerRegistered"}) for e in batch]
-    assert [e.payload["host"] for e in only] == ["h0", "h1"]
+    typed = [e async for batch in any_store.iter_events(0, upto=workers[0].position, batch=1) for e in batch]
+    assert [(e.position, type(e.event)) for e in typed] == [(bound[0].position, SessionBound),
+                                                              (workers[0].position, WorkerRegistered)]
+    only = [e async for batch in any_store.iter_events(0, types={"WorkerRegistered"}) for e in batch]
+    assert [e.event.host for e in only] == ["h0", "h1"]
     assert await any_store.head_position() == workers[1].position

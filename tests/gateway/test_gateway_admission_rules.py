@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from datetime import datetime, timezone
 
 import pytest
 
@@ -11,7 +12,10 @@ from services.gateway.admission import Admission, AliasQueueFull, Waiter
 from services.gateway.meter import Meter
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import Router, Slot
+from shared.contracts.backends import BackendType, EngineKind
+from shared.contracts.states import InstanceState, RoutingState
 from shared.projections.readmodels import INSTANCES, ROUTING
+from shared.projections.rows import InstanceRow, RoutingRow
 
 
 class Clock:
@@ -22,23 +26,26 @@ class Clock:
         return self.now
 
 
-def row(instance_id: str, capacity: int | None, backend: str = "llama.cpp") -> dict:
-    return {"instance_id": instance_id, "alias": "tiny", "backend_type": backend, "state": "RUNNING",
-            "endpoint": f"http://{instance_id}", "capacity": capacity}
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def row(instance_id: str, capacity: int | None, backend: BackendType = BackendType.LLAMA_CPP) -> InstanceRow:
+    return InstanceRow(instance_id, "tiny", backend, EngineKind.SIMULATOR, "w1", InstanceState.RUNNING, 0, 0, capacity,
+                       f"http://{instance_id}", None, None, "started", T0)
 
 
 class View:
     """The read models the router reads, by projection, as the live view gives them."""
 
-    def __init__(self, rows: tuple[dict, ...], state: str) -> None:
-        self.tables = {ROUTING.name: {"tiny": {"state": state, "mix_weight": 0.0}},
-                       INSTANCES.name: {r["instance_id"]: r for r in rows}}
+    def __init__(self, rows: tuple[InstanceRow, ...], state: RoutingState) -> None:
+        self.tables = {ROUTING.name: {"tiny": RoutingRow("tiny", state, 0.0, None, None, None, {}, None, T0)},
+                       INSTANCES.name: {r.instance_id: r for r in rows}}
 
     def __getitem__(self, projection) -> dict:
         return self.tables[projection.name]
 
 
-def pool(*rows: dict, state: str = "FAST_ONLY", queue_size: int = 3):
+def pool(*rows: InstanceRow, state: RoutingState = RoutingState.FAST_ONLY, queue_size: int = 3):
     """An admission over a view holding `rows`."""
     view = View(rows, state)
     clock, signals = Clock(), []
