@@ -26,7 +26,6 @@ import statistics
 import sys
 import time
 import uuid
-from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -168,20 +167,20 @@ def record(routing: dict[str, RoutingRow], control: dict[str, ControlRow], alias
             deleted.add(at)
         elif at is not None:
             state = EFFECT.get(a.action) or SLEEP[a.level]
-            alias_rows[at] = replace(alias_rows[at], state=state, updated_at=now,
-                                     sleep_level=a.level if a.action is Action.SLEEP else 0)
+            alias_rows[at] = alias_rows[at]._replace(state=state, updated_at=now,
+                                                sleep_level=a.level if a.action is Action.SLEEP else 0)
     alias_rows[:] = [r for n, r in enumerate(alias_rows) if n not in deleted]
     row = routing[alias]
     if decision.routing:
-        row = replace(row, state=decision.routing.to_state, switched_at=now)
-    routing[alias] = replace(row, mix_weight=decision.mix_weight, targets=dict(decision.targets))
+        row = row._replace(state=decision.routing.to_state, switched_at=now)
+    routing[alias] = row._replace(mix_weight=decision.mix_weight, targets=dict(decision.targets))
     control_row = control[alias]
     pending = {c: cmd for c, cmd in control_row.pending.items() if now - cmd.issued_at <= timedelta(seconds=3)}
     done = len(pending) != len(control_row.pending)  # commands complete a few seconds after they are sent
     for a in decision.actions:
         pending[str(a.command_id)] = PendingCommandRow(a.action, a.backend, a.instance_id, a.worker_id, a.level, now, True)
-    control[alias] = replace(control_row, pending=pending,
-                             version=control_row.version + (1 if decision.actions or decision.routing else 0))
+    control[alias] = control_row._replace(pending=pending,
+                                          version=control_row.version + (1 if decision.actions or decision.routing else 0))
     return bool(decision.actions or decision.routing or decision.mix or done)
 
 

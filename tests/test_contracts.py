@@ -10,7 +10,7 @@ from shared.contracts.backends import Action, BackendType, EngineKind, engine_la
 from shared.contracts.commands import SleepInstance, StartInstance, command_registry
 from shared.contracts.config import ConfigError, PolicySettings, load_pool_config
 from shared.contracts.events import AliasConfigured, InstanceStateChanged, RoutingStateChanged, event_registry
-from shared.contracts.messages import Contract, Envelope, Event, InvalidMessage, Registry, derived_id
+from shared.contracts.messages import FROM_THE_LOG, Contract, Envelope, Event, InvalidMessage, Registry, derived_id
 from shared.contracts.states import (
     IllegalTransition,
     InstanceState as I,
@@ -60,6 +60,16 @@ def test_illegal_transition_cannot_even_be_expressed_as_an_event():
             instance_id="i1", alias="a", backend_type=LLAMA, engine=EngineKind.LLAMA_CPP, worker_id="w1",
             from_state=I.RUNNING, to_state=I.SLEEP_1, reason="idle",
         )
+
+
+def test_history_read_back_from_the_log_is_not_judged_by_todays_rules():
+    recorded = {"alias": "a", "from_state": "FAST_ONLY", "to_state": "MIXED", "reason": "x", "mix_weight": 0.2,
+                "policy": "p"}  # a move an older release allowed
+    with pytest.raises(ValidationError, match="FAST_ONLY -> MIXED"):
+        RoutingStateChanged.model_validate(recorded)
+    assert RoutingStateChanged.model_validate(recorded, context=FROM_THE_LOG).to_state is R.MIXED
+    with pytest.raises(ValidationError, match="mix_weight"):  # the types are still checked
+        RoutingStateChanged.model_validate({**recorded, "mix_weight": 2}, context=FROM_THE_LOG)
 
 
 def test_routing_transitions():
@@ -193,6 +203,28 @@ def test_old_versions_are_upcast_on_read():
         registry.decode(future)
     with pytest.raises(InvalidMessage, match="no upcaster"):
         Registry([Ping]).decode(old)
+
+
+def test_fields_added_with_defaults_decode_as_they_are():
+    class Ping(Event):  # v3: `count` added in v2, `tags` in v3
+        TYPE, VERSION, CATEGORY = "Ping", 3, "test"
+        name: str
+        count: int = 1
+        tags: list[str] = []
+
+        def stream_key(self) -> str:
+            return self.name
+
+    registry = Registry([Ping])
+    registry.fields_added("Ping", 1, "count")
+    assert not registry.valid_as_is("Ping", 1)  # v2 -> v3 is not declared yet
+    registry.fields_added("Ping", 2, "tags")
+    assert registry.valid_as_is("Ping", 1) and registry.valid_as_is("Ping", 3) and not registry.valid_as_is("Ping", 4)
+    assert registry.upcast("Ping", 1, {"name": "x"}) == (3, {"name": "x", "count": 1, "tags": []})
+    with pytest.raises(ValueError, match="name must be fields with defaults"):
+        registry.fields_added("Ping", 1, "name")
+    with pytest.raises(ValueError, match="colour must be fields with defaults"):
+        registry.fields_added("Ping", 1, "colour")
 
 
 def test_instance_state_changes_of_every_version_read_as_the_latest():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import Field, field_validator
 
@@ -114,17 +114,9 @@ INSTANCE_COMMANDS: tuple[type[InstanceCommand], ...] = (
 COMMANDS: tuple[type[Command], ...] = (*INSTANCE_COMMANDS, PlaceInstance)
 
 
-def _no_engine_args(payload: dict[str, Any]) -> dict[str, Any]:
-    return {**payload, "engine_args": {}}
-
-
-def _no_role(payload: dict[str, Any]) -> dict[str, Any]:
-    return {**payload, "role": None}
-
-
 def command_registry() -> Registry:
     registry = Registry(COMMANDS)
     for contract in (StartInstance, PlaceInstance):
-        registry.upcaster(contract.TYPE, 1)(_no_engine_args)
-        registry.upcaster(contract.TYPE, 2)(_no_role)
+        registry.fields_added(contract.TYPE, 1, "engine_args")
+        registry.fields_added(contract.TYPE, 2, "role")
     return registry

@@ -12,12 +12,12 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from shared.contracts.backends import Action, BackendType, EngineKind, CommandOutcome, Role
 from shared.contracts.config import AliasConfig
 from shared.contracts.control import AliasSnapshot, Decision, MetricWindow
-from shared.contracts.messages import Event, Registry
+from shared.contracts.messages import Event, Registry, from_the_log
 from shared.contracts.states import (
     InstanceState,
     RoutingState,
@@ -105,8 +105,9 @@ class RoutingStateChanged(Event):
         return self.alias
 
     @model_validator(mode="after")
-    def _legal(self) -> "RoutingStateChanged":
-        check_routing_transition(self.from_state, self.to_state)
+    def _legal(self, info: ValidationInfo) -> "RoutingStateChanged":
+        if not from_the_log(info):
+            check_routing_transition(self.from_state, self.to_state)
         return self
 
 
@@ -277,8 +278,9 @@ class InstanceStateChanged(Event):
         return self.instance_id
 
     @model_validator(mode="after")
-    def _legal(self) -> "InstanceStateChanged":
-        check_instance_transition(self.backend_type, self.from_state, self.to_state)
+    def _legal(self, info: ValidationInfo) -> "InstanceStateChanged":
+        if not from_the_log(info):
+            check_instance_transition(self.backend_type, self.from_state, self.to_state)
         return self
 
 
@@ -375,34 +377,14 @@ EVENTS: tuple[type[Event], ...] = (
 )
 
 
-def _unchanged(payload: dict[str, Any]) -> dict[str, Any]:
-    return payload
-
-
-def _add_policy_version(payload: dict[str, Any]) -> dict[str, Any]:
-    return {**payload, "policy_version": 0}
-
-
-def _add_exit_details(payload: dict[str, Any]) -> dict[str, Any]:
-    return {**payload, "exit_code": None, "log_tail": None}
-
-
-def _add_internal_endpoint(payload: dict[str, Any]) -> dict[str, Any]:
-    return {**payload, "internal_endpoint": None}
-
-
-def _add_role(payload: dict[str, Any]) -> dict[str, Any]:
-    return {**payload, "role": None}
-
-
 def event_registry() -> Registry:
     """A registry of every event contract, with the upcasters for their old versions."""
     registry = Registry(EVENTS)
     for type_name in (RoutingStateChanged.TYPE, MixWeightChanged.TYPE, ScalingTargetsChanged.TYPE):
-        registry.upcaster(type_name, 1)(_add_policy_version)
-    registry.upcaster(InstanceStateChanged.TYPE, 1)(_add_exit_details)
-    registry.upcaster(InstanceStateChanged.TYPE, 2)(_add_internal_endpoint)
-    registry.upcaster(InstanceStateChanged.TYPE, 3)(_add_role)
-    registry.upcaster(AliasConfigured.TYPE, 1)(_unchanged)  # v1 payloads are valid v2 payloads
-    registry.upcaster(AliasConfigured.TYPE, 2)(_unchanged)  # and v2 ones valid v3 ones (the hybrid policy)
+        registry.fields_added(type_name, 1, "policy_version")
+    registry.fields_added(InstanceStateChanged.TYPE, 1, "exit_code", "log_tail")
+    registry.fields_added(InstanceStateChanged.TYPE, 2, "internal_endpoint")
+    registry.fields_added(InstanceStateChanged.TYPE, 3, "role")
+    registry.fields_added(AliasConfigured.TYPE, 1)  # v1 payloads are valid v2 payloads
+    registry.fields_added(AliasConfigured.TYPE, 2)  # and v2 ones valid v3 ones (the hybrid policy)
     return registry

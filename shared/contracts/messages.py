@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
 
 # A fixed namespace so ids derived from other ids are the same in every process:
 # the effect of handling a command gets an event id derived from the command id,
@@ -36,6 +36,16 @@ class Contract(BaseModel):
 
     TYPE: ClassVar[str]
     VERSION: ClassVar[int] = 1
+
+
+FROM_THE_LOG = {"from_the_log": True}
+"""Validation context for an event read back from the log: its types are checked, the rules it was checked
+against when written (legal transitions) are not. The log says what happened; a rule changed since must
+not make history unreadable."""
+
+
+def from_the_log(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("from_the_log"))
 
 
 class Event(Contract):
@@ -125,6 +135,8 @@ class Registry:
     def __init__(self, contracts: Iterable[type[Contract]] = ()) -> None:
         self._latest: dict[str, type[Contract]] = {}
         self._upcasters: dict[tuple[str, int], Upcaster] = {}
+        self._as_is: set[tuple[str, int]] = set()
+        """(type, version) steps after which an old payload is still a valid new one."""
         for contract in contracts:
             self.register(contract)
 
@@ -144,6 +156,25 @@ class Registry:
 
         return decorate
 
+    def fields_added(self, type_name: str, from_version: int, *fields: str) -> None:
+        """Version `from_version + 1` only added `fields`, each with a default: an old payload is a valid new
+        one as it is (readers decode it directly), and upcasting it fills in the defaults."""
+        model_fields = self.contract(type_name).model_fields  # type: ignore[attr-defined]
+        required = [f for f in fields if f not in model_fields or model_fields[f].is_required()]
+        if required:
+            raise ValueError(f"{type_name} v{from_version + 1}: {', '.join(required)} must be fields with defaults")
+
+        def upcast(payload: dict[str, Any]) -> dict[str, Any]:
+            return {**payload, **{f: model_fields[f].get_default(call_default_factory=True) for f in fields}}
+
+        self._upcasters[(type_name, from_version)] = upcast
+        self._as_is.add((type_name, from_version))
+
+    def valid_as_is(self, type_name: str, version: int) -> bool:
+        """Whether a `version` payload validates as the latest contract without upcasting."""
+        latest = self.contract(type_name).VERSION
+        return version <= latest and all((type_name, v) in self._as_is for v in range(version, latest))
+
     def known(self, type_name: str) -> bool:
         return type_name in self._latest
 
@@ -155,16 +186,22 @@ class Registry:
 
     def upcast(self, type_name: str, version: int, payload: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Bring a payload to the latest version of its contract."""
+        for step in self.upcasters(type_name, version):
+            payload = step(payload)
+        return self.contract(type_name).VERSION, payload
+
+    def upcasters(self, type_name: str, version: int) -> list[Upcaster]:
+        """The steps that bring a `version` payload to the latest version of its contract, in order."""
         latest = self.contract(type_name).VERSION
         if version > latest:
             raise InvalidMessage(f"{type_name} v{version} is newer than this code (v{latest})")
-        while version < latest:
-            step = self._upcasters.get((type_name, version))
+        steps = []
+        for v in range(version, latest):
+            step = self._upcasters.get((type_name, v))
             if step is None:
-                raise InvalidMessage(f"no upcaster for {type_name} v{version} -> v{version + 1}")
-            payload = step(payload)
-            version += 1
-        return version, payload
+                raise InvalidMessage(f"no upcaster for {type_name} v{v} -> v{v + 1}")
+            steps.append(step)
+        return steps
 
     def decode(self, envelope: Envelope) -> Contract:
         """The typed payload of an envelope, upcast to the latest version and validated."""

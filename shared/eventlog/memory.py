@@ -111,6 +111,6 @@ class MemoryEventStore(EventStore):
                           types: Collection[str] | None = None) -> AsyncIterator[list[StoredEvent]]:
         end = len(self.log.events) if upto is None else min(upto, len(self.log.events))
         for start in range(max(0, after), end, batch):
-            yield [StoredEvent(e.position or 0, e.occurred_at, self._decode(e.type, e.version, e.payload))
+            yield [StoredEvent(e.position or 0, e.occurred_at, decode(e.payload))
                    for e in self.log.events[start:min(start + batch, end)]
-                   if (types is None or e.type in types) and self.registry.known(e.type)]
+                   if (types is None or e.type in types) and (decode := self._decoder(e.type, e.version))]

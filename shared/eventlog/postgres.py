@@ -297,8 +297,7 @@ class PostgresEventStore(EventStore):
         linear in the events read, whatever the planner's statistics say, and
         memory stays flat. The next batch is fetched while the caller works on
         the current one, so Postgres and Python run side by side."""
-        registry, decode = self.registry, self._decode
-        known: dict[str, bool] = {}
+        decoders, decoder = self._decoders, self._decoder
         query = "SELECT position, type, version, payload::text, occurred_at FROM events WHERE position > $1"
         args: list[Any] = [after]
         if upto is not None:
@@ -319,13 +318,11 @@ class PostgresEventStore(EventStore):
                     out: list[StoredEvent] = []
                     try:
                         for position, type_name, version, payload_text, occurred_at in rows:
-                            is_known = known.get(type_name)
-                            if is_known is None:
-                                # Written by a newer release: the read models skip it rather than guess.
-                                is_known = known[type_name] = registry.known(type_name)
-                            if is_known:
-                                out.append(StoredEvent(position, occurred_at,
-                                                       decode(type_name, version, orjson.loads(payload_text))))
+                            decode = decoders.get((type_name, version), _UNSEEN)
+                            if decode is _UNSEEN:
+                                decode = decoder(type_name, version)
+                            if decode is not None:  # None: written by a newer release; skipped, not guessed
+                                out.append(StoredEvent(position, occurred_at, decode(payload_text)))
                         yield out
                     except BaseException:
                         upcoming.cancel()
@@ -333,6 +330,9 @@ class PostgresEventStore(EventStore):
                             await upcoming
                         raise
                     rows = await upcoming
+
+
+_UNSEEN = object()
 
 
 async def _existing(raw: Any, ids: list[uuid.UUID]) -> dict[uuid.UUID, Envelope]:

@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from shared.eventlog.store import EventStore, StoredEvent
 from shared.projections.readmodels import ALL_PROJECTIONS, Projection, Reducer, Rows
+from shared.projections.rows import to_record
 
 
 async def _raw(conn: AsyncConnection) -> Any:
@@ -23,9 +24,9 @@ async def _raw(conn: AsyncConnection) -> Any:
 
 async def load_rows(conn: AsyncConnection, projection: Projection[Any]) -> Rows:
     raw = await _raw(conn)
-    records = await raw.fetch(f"SELECT {', '.join(projection.row.columns())} FROM {projection.table}")
-    rows = (projection.row.from_record(r) for r in records)  # type: ignore[attr-defined]
-    return {row.key: row for row in rows}
+    row_type, key = projection.row, projection.row.KEY  # type: ignore[attr-defined]
+    records = await raw.fetch(f"SELECT {', '.join(row_type._fields)} FROM {projection.table}")  # type: ignore[attr-defined]
+    return {r[key]: row_type.from_record(r) for r in records}  # type: ignore[attr-defined]
 
 
 async def load_position(conn: AsyncConnection, name: str) -> int:
@@ -43,13 +44,13 @@ async def write_rows(conn: AsyncConnection, projection: Projection[Any], rows: R
     if gone:
         await raw.execute(f"DELETE FROM {projection.table} WHERE {key} = ANY($1::text[])", gone)
     if present:
-        cols = projection.row.columns()  # type: ignore[attr-defined]
+        cols = projection.row._fields  # type: ignore[attr-defined]
         placeholders = ", ".join(f"${i}" for i in range(1, len(cols) + 1))
         updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols if c != key)
         await raw.executemany(
             f"INSERT INTO {projection.table} ({', '.join(cols)}) VALUES ({placeholders})"
             f" ON CONFLICT ({key}) DO UPDATE SET {updates}",
-            [row.to_record() for row in present],
+            [to_record(row) for row in present],
         )
 
 

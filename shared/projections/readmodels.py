@@ -11,7 +11,7 @@ was changed behind the log's back.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
@@ -80,31 +80,30 @@ def reducers(*pairs: tuple[type[Event], Reducer]) -> dict[str, Reducer]:
 
 def _routing_row(rows: dict[str, RoutingRow], alias: str, at: datetime) -> RoutingRow:
     row = rows.get(alias)
-    if row is None:
-        return RoutingRow(alias, RoutingState.COLD, 0.0, None, None, None, {}, None, at)
-    return replace(row, updated_at=at)
+    return row if row is not None else RoutingRow(alias, RoutingState.COLD, 0.0, None, None, None, {}, None, at)
 
 
 def _alias_configured(rows: dict[str, RoutingRow], e: AliasConfigured, at: datetime) -> Iterable[str]:
-    existed = e.alias in rows
-    row = _routing_row(rows, e.alias, at)
-    rows[e.alias] = replace(row, config=e.config, state=row.state if existed else e.config.routing_state)
+    row = rows.get(e.alias)
+    state = row.state if row is not None else e.config.routing_state
+    rows[e.alias] = _routing_row(rows, e.alias, at)._replace(config=e.config, state=state, updated_at=at)
     return (e.alias,)
 
 
 def _routing_changed(rows: dict[str, RoutingRow], e: RoutingStateChanged, at: datetime) -> Iterable[str]:
-    rows[e.alias] = replace(_routing_row(rows, e.alias, at), state=e.to_state, mix_weight=e.mix_weight,
-                            switch_reason=e.reason, switched_at=at, cooldown_until=e.cooldown_until)
+    rows[e.alias] = _routing_row(rows, e.alias, at)._replace(
+        state=e.to_state, mix_weight=e.mix_weight, switch_reason=e.reason, switched_at=at,
+        cooldown_until=e.cooldown_until, updated_at=at)
     return (e.alias,)
 
 
 def _mix_weight_changed(rows: dict[str, RoutingRow], e: MixWeightChanged, at: datetime) -> Iterable[str]:
-    rows[e.alias] = replace(_routing_row(rows, e.alias, at), mix_weight=e.to_weight)
+    rows[e.alias] = _routing_row(rows, e.alias, at)._replace(mix_weight=e.to_weight, updated_at=at)
     return (e.alias,)
 
 
 def _targets_changed(rows: dict[str, RoutingRow], e: ScalingTargetsChanged, at: datetime) -> Iterable[str]:
-    rows[e.alias] = replace(_routing_row(rows, e.alias, at), targets=dict(e.targets))
+    rows[e.alias] = _routing_row(rows, e.alias, at)._replace(targets=dict(e.targets), updated_at=at)
     return (e.alias,)
 
 
@@ -143,8 +142,8 @@ def _instance_load(rows: dict[str, InstanceRow], e: InstanceLoadReported, at: da
     row = rows.get(e.instance_id)
     if row is None:  # a late report about an instance already gone
         return ()
-    rows[e.instance_id] = replace(row, inflight=e.inflight, updated_at=at,
-                                  capacity=e.capacity if e.capacity is not None else row.capacity)
+    rows[e.instance_id] = row._replace(inflight=e.inflight, updated_at=at,
+                                       capacity=e.capacity if e.capacity is not None else row.capacity)
     return (e.instance_id,)
 
 
@@ -195,7 +194,7 @@ def _worker_gone(status: WorkerStatus) -> Reducer:
         row = rows.get(e.worker_id)
         if row is None:
             return ()
-        rows[e.worker_id] = replace(row, status=status, reason=e.reason, updated_at=at)
+        rows[e.worker_id] = row._replace(status=status, reason=e.reason, updated_at=at)
         return (e.worker_id,)
 
     return reduce
@@ -214,20 +213,15 @@ ALIAS_EVENTS: tuple[type[Event], ...] = tuple(c for c in EVENTS if c.CATEGORY ==
 """Every event of an alias's stream (`alias:<name>`): the row's `version` is that stream's version."""
 
 
-def _control_row(rows: dict[str, ControlRow], alias: str, at: datetime) -> ControlRow:
-    row = rows.get(alias)
-    return replace(row, updated_at=at) if row is not None else ControlRow(alias, updated_at=at)
-
-
 def _control_alias_event(rows: dict[str, ControlRow], e: Any, at: datetime) -> Iterable[str]:
-    row = _control_row(rows, e.alias, at)
-    row = replace(row, version=row.version + 1)
+    row = rows.get(e.alias) or ControlRow(e.alias)
+    row = row._replace(version=row.version + 1, updated_at=at)
     if isinstance(e, PolicyDecided):
         pending = dict(row.pending)
         for a in e.decision.actions:
             pending[str(a.command_id)] = PendingCommandRow(a.action, a.backend, a.instance_id, a.worker_id, a.level,
                                                            at, False, a.role)
-        row = replace(row, policy=e.policy, state=e.decision.state, decided_at=e.decided_at, pending=pending)
+        row = row._replace(policy=e.policy, state=e.decision.state, decided_at=e.decided_at, pending=pending)
     rows[e.alias] = row
     return (e.alias,)
 
@@ -237,35 +231,40 @@ def _control_placement_requested(rows: dict[str, ControlRow], e: PlacementReques
     command = row.pending.get(str(e.request_id)) if row else None
     if row is None or command is None:
         return ()
-    rows[e.alias] = replace(row, pending={**row.pending, str(e.request_id): replace(command, acked=True)})
+    rows[e.alias] = row._replace(pending={**row.pending, str(e.request_id): command._replace(acked=True)})
     return (e.alias,)
 
 
 def _control_placement_failed(rows: dict[str, ControlRow], e: PlacementFailed, at: datetime) -> Iterable[str]:
-    row = _control_row(rows, e.alias, at)
+    row = rows.get(e.alias) or ControlRow(e.alias)
     pending = {c: p for c, p in row.pending.items() if c != str(e.request_id)}
     failures = {**row.start_failures, e.backend_type: StartFailure(e.instance_id, at, e.reason)}
-    rows[e.alias] = replace(row, pending=pending, start_failures=failures)
+    rows[e.alias] = row._replace(pending=pending, start_failures=failures, updated_at=at)
     return (e.alias,)
 
 
 def _control_instance_changed(rows: dict[str, ControlRow], e: InstanceStateChanged, at: datetime) -> Iterable[str]:
-    row = _control_row(rows, e.alias, at)
-    pending = dict(row.pending)
+    row = rows.get(e.alias) or ControlRow(e.alias)
+    failed = e.from_state is InstanceState.STARTING and e.to_state is InstanceState.ERROR
+    forgotten = e.to_state is InstanceState.ABSENT and e.instance_id in row.notes
+    if not (row.pending or failed or forgotten):  # most transitions: nothing the controller waits for
+        rows[e.alias] = row._replace(updated_at=at)
+        return (e.alias,)
     command_id = str(e.command_id) if e.command_id else None
-    if command_id in pending:
-        pending[command_id] = replace(pending[command_id], acked=True)
-    for cid, command in list(pending.items()):
+    pending = {}
+    for cid, command in row.pending.items():
         # A start is done once its instance is in the log: from then on the instance
         # itself is what counts, and it must be free to take a cancel.
-        if command.instance_id == e.instance_id and (command.action is Action.START or e.to_state is InstanceState.ABSENT):
-            del pending[cid]
+        if command.instance_id == e.instance_id and (command.action is Action.START
+                                                     or e.to_state is InstanceState.ABSENT):
+            continue
+        pending[cid] = command._replace(acked=True) if cid == command_id else command
     failures, notes = row.start_failures, row.notes
-    if e.from_state is InstanceState.STARTING and e.to_state is InstanceState.ERROR:
+    if failed:
         failures = {**failures, e.backend_type: StartFailure(e.instance_id, at, e.reason)}
-    if e.to_state is InstanceState.ABSENT and e.instance_id in notes:
+    if forgotten:
         notes = {i: n for i, n in notes.items() if i != e.instance_id}
-    rows[e.alias] = replace(row, pending=pending, start_failures=failures, notes=notes)
+    rows[e.alias] = row._replace(pending=pending, start_failures=failures, notes=notes, updated_at=at)
     return (e.alias,)
 
 
@@ -275,11 +274,11 @@ def _control_command_completed(rows: dict[str, ControlRow], e: InstanceCommandCo
         return ()
     note = row.notes.get(e.instance_id) or InstanceNote()
     if e.outcome is CommandOutcome.UNSUPPORTED and e.action not in note.unsupported:
-        note = replace(note, unsupported=(*note.unsupported, e.action))
+        note = note._replace(unsupported=(*note.unsupported, e.action))
     elif e.outcome in (CommandOutcome.FAILED, CommandOutcome.REJECTED):
-        note = replace(note, last_failure=(e.action, at))
-    rows[e.alias] = replace(row, pending={c: p for c, p in row.pending.items() if c != str(e.command_id)},
-                            notes={**row.notes, e.instance_id: note}, updated_at=at)
+        note = note._replace(last_failure=(e.action, at))
+    rows[e.alias] = row._replace(pending={c: p for c, p in row.pending.items() if c != str(e.command_id)},
+                                 notes={**row.notes, e.instance_id: note}, updated_at=at)
     return (e.alias,)
 
 
@@ -289,7 +288,7 @@ def _control_worker_lost(rows: dict[str, ControlRow], e: WorkerLost, at: datetim
     for alias, row in list(rows.items()):
         kept = {c: p for c, p in row.pending.items() if p.worker_id != e.worker_id}
         if len(kept) != len(row.pending):
-            rows[alias] = replace(row, pending=kept, updated_at=at)
+            rows[alias] = row._replace(pending=kept, updated_at=at)
             touched.append(alias)
     return touched
 

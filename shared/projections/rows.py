@@ -1,20 +1,25 @@
-"""The read models' rows: frozen and typed, as every reader sees them past the database.
+"""The read models' rows: immutable and typed, as every reader sees them past the database.
 
-Each row type says how it is stored in its projection's table (`to_record`, one
-value per column: enums as their values, nested facts as JSON) and how it is read
-back (`from_record`). What a reducer builds and what a table holds read back are
-equal (`modelpool replay` compares them), so a column added here is added to its
-migration too.
+Rows are named tuples, not frozen dataclasses: a rebuild folds a million events
+and builds a row for nearly each, and a frozen dataclass costs eight times more
+to build (every field set through `object.__setattr__`).
+
+Each row type names its key (`KEY`), its columns are its fields in order, and it
+is read back from its table with `from_record`; `to_record` stores any of them
+(enums as their values, the `JSON_COLUMNS` as JSON). What a reducer builds and
+what a table holds read back are equal (`modelpool replay` compares them), so a
+column added here is added to its migration too.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import fields, is_dataclass
 from datetime import datetime
 from enum import Enum
-from typing import Any, ClassVar
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from pydantic import TypeAdapter
 
@@ -38,9 +43,11 @@ def _json_value(value: Any) -> Any:
         return POLICY_STATE.dump_python(value, mode="json")
     if isinstance(value, Mapping):
         return {(k.value if isinstance(k, Enum) else k): _json_value(v) for k, v in value.items()}
+    if hasattr(value, "_fields"):  # a row (a named tuple) is an object, not a list
+        return {name: _json_value(v) for name, v in zip(value._fields, value)}
     if isinstance(value, (tuple, list)):
         return [_json_value(v) for v in value]
-    if hasattr(value, "__dataclass_fields__"):
+    if is_dataclass(value):
         return {f.name: _json_value(getattr(value, f.name)) for f in fields(value)}
     return value
 
@@ -58,43 +65,32 @@ def _stored_json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-class Row:
-    """What every row type shares: its key, and its columns in the order its table has them."""
+def to_record(row: Any) -> list[Any]:
+    """The values of a row's columns, as its table stores them."""
+    json_columns = type(row).JSON_COLUMNS
+    out = []
+    for name, value in zip(row._fields, row):
+        if name in json_columns:
+            out.append(None if value is None else json.dumps(_json_value(value), sort_keys=True))
+        elif isinstance(value, Enum):
+            out.append(value.value)
+        else:
+            out.append(value)
+    return out
 
-    KEY: ClassVar[str]
-    JSON_COLUMNS: ClassVar[frozenset[str]] = frozenset()
 
-    @classmethod
-    def columns(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
-
-    @property
-    def key(self) -> str:
-        return getattr(self, self.KEY)
-
-    def to_record(self) -> list[Any]:
-        """The values of the row's columns, as the table stores them."""
-        out = []
-        for f in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if f.name in self.JSON_COLUMNS:
-                out.append(None if value is None else json.dumps(_json_value(value), sort_keys=True))
-            elif isinstance(value, Enum):
-                out.append(value.value)
-            else:
-                out.append(value)
-        return out
+NO_ENTRIES: Mapping[Any, Any] = MappingProxyType({})
+"""The empty default of a row's mapping fields: shared, so it must not be writable."""
 
 
 # --------------------------------------------------------------------------- routing
 
 
-@dataclass(frozen=True, slots=True)
-class RoutingRow(Row):
+class RoutingRow(NamedTuple):
     """An alias's routing state and mix weight, the last switch, its targets and its configuration."""
 
-    KEY: ClassVar[str] = "alias"
-    JSON_COLUMNS: ClassVar[frozenset[str]] = frozenset({"targets", "config"})
+    KEY = "alias"
+    JSON_COLUMNS = frozenset({"targets", "config"})
 
     alias: str
     state: RoutingState
@@ -117,11 +113,11 @@ class RoutingRow(Row):
 # --------------------------------------------------------------------------- instances
 
 
-@dataclass(frozen=True, slots=True)
-class InstanceRow(Row):
+class InstanceRow(NamedTuple):
     """An instance as the log has it: where it runs, its state, how to reach it."""
 
-    KEY: ClassVar[str] = "instance_id"
+    KEY = "instance_id"
+    JSON_COLUMNS = frozenset[str]()
 
     instance_id: str
     alias: str
@@ -149,11 +145,11 @@ class InstanceRow(Row):
 # --------------------------------------------------------------------------- sessions
 
 
-@dataclass(frozen=True, slots=True)
-class SessionRow(Row):
+class SessionRow(NamedTuple):
     """A session's host, since when, and how often it moved."""
 
-    KEY: ClassVar[str] = "session_id"
+    KEY = "session_id"
+    JSON_COLUMNS = frozenset[str]()
 
     session_id: str
     alias: str
@@ -176,12 +172,11 @@ class WorkerStatus(str, Enum):
     LOST = "lost"
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerRow(Row):
+class WorkerRow(NamedTuple):
     """A worker's resources and whether it is up, stopped or lost."""
 
-    KEY: ClassVar[str] = "worker_id"
-    JSON_COLUMNS: ClassVar[frozenset[str]] = frozenset({"engines"})
+    KEY = "worker_id"
+    JSON_COLUMNS = frozenset({"engines"})
 
     worker_id: str
     host: str
@@ -207,8 +202,7 @@ class WorkerRow(Row):
 # --------------------------------------------------------------------------- the controller's view
 
 
-@dataclass(frozen=True, slots=True)
-class PendingCommandRow:
+class PendingCommandRow(NamedTuple):
     """A command of a recorded decision whose effect is not in the log yet."""
 
     action: Action
@@ -227,8 +221,7 @@ class PendingCommandRow:
                    _when(c["issued_at"]), c["acked"], Role(c["role"]) if c.get("role") else None)  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True, slots=True)
-class InstanceNote:
+class InstanceNote(NamedTuple):
     """What the controller remembers of one instance's command outcomes."""
 
     unsupported: tuple[Action, ...] = ()
@@ -242,23 +235,22 @@ class InstanceNote:
                    (Action(failure[0]), _when(failure[1])) if failure else None)  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True, slots=True)
-class ControlRow(Row):
+class ControlRow(NamedTuple):
     """The controller's own view of an alias: its stream's version, the policy state its last decision left,
     the commands in flight, the latest failed start per tier, and notes on instances."""
 
-    KEY: ClassVar[str] = "alias"
-    JSON_COLUMNS: ClassVar[frozenset[str]] = frozenset({"state", "pending", "start_failures", "notes"})
+    KEY = "alias"
+    JSON_COLUMNS = frozenset({"state", "pending", "start_failures", "notes"})
 
     alias: str
     version: int = 0
     policy: str | None = None
     state: PolicyState | None = None
     decided_at: datetime | None = None
-    pending: Mapping[str, PendingCommandRow] = field(default_factory=dict)
+    pending: Mapping[str, PendingCommandRow] = NO_ENTRIES
     """command id -> the command."""
-    start_failures: Mapping[BackendType, StartFailure] = field(default_factory=dict)
-    notes: Mapping[str, InstanceNote] = field(default_factory=dict)
+    start_failures: Mapping[BackendType, StartFailure] = NO_ENTRIES
+    notes: Mapping[str, InstanceNote] = NO_ENTRIES
     """instance id -> its note."""
     updated_at: datetime | None = None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import pickle
 import uuid
-from dataclasses import FrozenInstanceError, replace
+from dataclasses import FrozenInstanceError
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -106,7 +106,7 @@ def test_views_kept_between_ticks_equal_views_built_afresh(steps):
         elif kind == "silence":
             reports[worker_of(args[0])].pop(args[0], None)
         elif kind == "row" and args[0] in rows[alias]:
-            rows[alias][args[0]] = replace(rows[alias][args[0]], state=args[1], updated_at=now)  # as the projection does
+            rows[alias][args[0]] = rows[alias][args[0]]._replace(state=args[1], updated_at=now)  # as the projection does
             touched.add(alias)
         elif kind == "add":
             add(args[0])

@@ -185,6 +185,35 @@ async def test_old_event_versions_stay_stored_as_written_and_are_read_upcast(any
     assert [e async for batch in writer_of(Registry([])).iter_events(0) for e in batch] == []  # unknown types skipped
 
 
+async def test_versions_that_only_added_fields_are_read_with_their_defaults(any_store: EventStore, writer_of):
+    from shared.contracts.messages import Event, Registry
+
+    class PingV1(Event):
+        TYPE, VERSION, CATEGORY = "Ping", 1, "ping"
+        name: str
+
+        def stream_key(self) -> str:
+            return self.name
+
+    class Ping(Event):
+        TYPE, VERSION, CATEGORY = "Ping", 2, "ping"
+        name: str
+        labels: dict[str, str] = {}
+
+        def stream_key(self) -> str:
+            return self.name
+
+    await writer_of(Registry([PingV1])).append("ping:x", [Envelope.wrap(PingV1(name="x"))])
+    registry = Registry([Ping])
+    registry.fields_added("Ping", 1, "labels")
+    new_code = writer_of(registry)
+    await new_code.append("ping:y", [Envelope.wrap(Ping(name="y", labels={"k": "v"}))])
+    typed = [e.event async for batch in new_code.iter_events(0) for e in batch]
+    assert [(type(e), e.name, e.labels) for e in typed] == [(Ping, "x", {}), (Ping, "y", {"k": "v"})]
+    (old,) = await new_code.read_stream("ping:x")
+    assert old.version == 2 and old.payload == {"name": "x", "labels": {}}
+
+
 async def test_every_reader_sees_the_same_log(any_store: EventStore):
     bound = await any_store.append("session:s1", [session_event("s1", "i1")])
     workers = await any_store.append("worker:w1", [worker_event("w1"), worker_event("w1", 1)])
