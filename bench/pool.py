@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.ops.load import quantile, read_stream  # noqa: E402
 from services.cluster.localpool import LocalPool  # noqa: E402
-from services.ops.timeline import plot_history  # noqa: E402
+from services.ops.timeline_figure import plot_history  # noqa: E402
 from shared.bus.jetstream import connect, ensure_streams  # noqa: E402
 from shared.bus.subjects import Subjects  # noqa: E402
 from shared.contracts.events import event_registry  # noqa: E402

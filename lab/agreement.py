@@ -26,6 +26,7 @@ from lab.results import run
 from services.cluster.localpool import LocalPool
 from services.ops.trace_replay import Replay
 from shared.contracts.config import PoolConfig
+from shared.contracts.events import RoutingStateChanged
 from shared.contracts.trace import TraceRequest
 from shared.eventlog.store import EventStore
 
@@ -53,8 +54,8 @@ async def pool_run(database_url: str, nats_url: str, namespace: str, pool_yaml: 
         "e2e": [s.done - s.sent for s in replay.served if s.done is not None],
         "answered": sum(1 for s in replay.served if s.done is not None and s.error is None),
         "lost": sum(1 for s in replay.served if s.done is None or s.error is not None),
-        "switches": [(f"{e.payload['from_state']}->{e.payload['to_state']}",
-                      (e.occurred_at - began_at).total_seconds()) for e in events if e.type == "RoutingStateChanged"],
+        "switches": [(f"{event.from_state.value}->{event.to_state.value}", (e.occurred_at - began_at).total_seconds())
+                     for e, event in store.typed(events) if isinstance(event, RoutingStateChanged)],
     }
 
 

@@ -14,6 +14,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from shared.contracts.backends import Action
+from shared.contracts.control import MetricWindow
+from shared.contracts.events import AliasConfigured, InstanceStateChanged, PolicyDecided
+from shared.contracts.messages import Envelope, Event
+from shared.contracts.states import InstanceState
+
 
 @dataclass(slots=True)
 class Transition:
@@ -61,41 +67,40 @@ class RunRecord:
                    [WindowRecord(**w) for w in data["windows"]], data.get("source", "lab"))
 
 
-def record_from_log(events: list[Any]) -> RunRecord:
-    """A pool run's record from its alias's events (as `EventStore.history` returns them)."""
+def record_from_log(events: list[tuple[Envelope, Event]]) -> RunRecord:
+    """A pool run's record from its alias's events (as `modelpool history` reads them: stored and typed)."""
     if not events:
         raise ValueError("no events for the alias")
-    t0 = events[0].occurred_at
+    t0 = events[0][0].occurred_at
 
-    def at(when: Any) -> float:
+    def at(when: datetime) -> float:
         return (when - t0).total_seconds()
 
     alias: dict[str, Any] | None = None
     record = RunRecord({}, source="event log")
-    seen_windows: set[str] = set()
-    for e in events:
-        p = e.payload
-        if e.type == "AliasConfigured":
-            alias = p["config"]
-        elif e.type == "InstanceStateChanged":
-            record.transitions.append(Transition(at(e.occurred_at), p["instance_id"], p["backend_type"],
-                                                 p["from_state"], p["to_state"]))
-        elif e.type == "PolicyDecided":
-            for a in p["decision"]["actions"]:
-                if a["action"] == "wake":
-                    record.wakes.append((at(e.occurred_at), a["instance_id"]))
-            m = p["snapshot"].get("metrics")
-            if m and m["window_end"] not in seen_windows:
-                seen_windows.add(m["window_end"])
-                running: dict[str, float] = {}
-                for i in p["snapshot"]["instances"]:
-                    if i["state"] == "RUNNING":
-                        running[i["backend"]] = running.get(i["backend"], 0) + 1
-                start, end = (_seconds(m["window_start"], t0), _seconds(m["window_end"], t0))
-                record.windows.append(WindowRecord(
-                    start, end, m.get("arrivals", 0), m.get("requests_fast", 0), m.get("requests_slow", 0), running,
-                    {"llama.cpp": m.get("inflight_fast", 0.0), "vllm": m.get("inflight_slow", 0.0)},
-                    _tokens_by_backend(m, end - start)))
+    seen_windows: set[datetime] = set()
+    for envelope, event in events:
+        match event:
+            case AliasConfigured(config=config):
+                alias = config.model_dump(mode="json")
+            case InstanceStateChanged():
+                record.transitions.append(Transition(at(envelope.occurred_at), event.instance_id,
+                                                     event.backend_type.value, event.from_state.value,
+                                                     event.to_state.value))
+            case PolicyDecided(decision=decision, snapshot=snapshot):
+                record.wakes.extend((at(envelope.occurred_at), a.instance_id)
+                                    for a in decision.actions if a.action is Action.WAKE)
+                m = snapshot.metrics
+                if m is not None and m.window_end not in seen_windows:
+                    seen_windows.add(m.window_end)
+                    running: dict[str, float] = {}
+                    for i in snapshot.instances:
+                        if i.state is InstanceState.RUNNING:
+                            running[i.backend.value] = running.get(i.backend.value, 0) + 1
+                    start, end = at(m.window_start), at(m.window_end)
+                    record.windows.append(WindowRecord(
+                        start, end, m.arrivals, m.requests_fast, m.requests_slow, running,
+                        {"llama.cpp": m.inflight_fast, "vllm": m.inflight_slow}, _tokens_by_backend(m, end - start)))
     if alias is None:
         raise ValueError("the log has no AliasConfigured event for the alias")
     record.alias = alias
@@ -103,14 +108,10 @@ def record_from_log(events: list[Any]) -> RunRecord:
     return record
 
 
-def _tokens_by_backend(m: dict[str, Any], seconds: float) -> dict[str, float]:
+def _tokens_by_backend(m: MetricWindow, seconds: float) -> dict[str, float]:
     """The gateways measure decode tokens per alias, not per backend: split by where the requests were."""
-    total = (m.get("decode_tokens_per_s") or 0.0) * seconds
-    fast, slow = m.get("inflight_fast", 0.0), m.get("inflight_slow", 0.0)
+    total = (m.decode_tokens_per_s or 0.0) * seconds
+    fast, slow = m.inflight_fast, m.inflight_slow
     if fast + slow <= 0:
         return {"llama.cpp": 0.0, "vllm": 0.0}
     return {"llama.cpp": total * fast / (fast + slow), "vllm": total * slow / (fast + slow)}
-
-
-def _seconds(iso: str, t0: Any) -> float:
-    return (datetime.fromisoformat(iso) - t0).total_seconds()

@@ -32,9 +32,9 @@ from services.runtime import ServiceContext
 from shared.bus.jetstream import publish
 from shared.contracts.commands import DrainInstance
 from shared.contracts.messages import Envelope
+from shared.contracts.states import InstanceState
 from shared.openai_protocol import APIError, bad_request
 from shared.projections.live import LiveView
-from shared.contracts.states import InstanceState
 from shared.projections.readmodels import INSTANCES
 from shared.projections.rows import as_json
 
@@ -66,9 +66,10 @@ def create_admin_app(ctx: ServiceContext, view: LiveView, token: str) -> Starlet
                             for k in ("since", "until"))
         except ValueError as exc:
             raise bad_request(f"since / until must be ISO 8601 times: {exc}", param="since") from None
-        events = await ctx.store.history(alias, since=since, until=until)
+        events = ctx.store.typed(await ctx.store.history(alias, since=since, until=until))
         return _json({"alias": alias, "events": [
-            {"at": e.occurred_at, "type": e.type, "position": e.position, "summary": summarize(e)} for e in events]})
+            {"at": e.occurred_at, "type": e.type, "position": e.position, "summary": summarize(event)}
+            for e, event in events]})
 
     async def instances(_: Request) -> Response:
         rows = sorted(view[INSTANCES].values(), key=lambda r: (r.alias, r.backend_type.value, r.instance_id))

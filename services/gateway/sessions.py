@@ -239,12 +239,15 @@ class Sessions:
         """The session's binding as its stream has it now, or None if released."""
         events = await self.store.read_stream(stream_of(session_id))
         last = events[-1] if events else None
-        if last is None or last.type == "SessionReleased":
-            return None
-        host = last.payload["instance_id"] if last.type == "SessionBound" else last.payload["to_instance_id"]
-        moved = last.occurred_at.timestamp() if last.type == "SessionMigrated" else None
+        match self.store.fact(last) if last is not None else None:
+            case SessionBound(alias=alias, instance_id=host):
+                moved = None
+            case SessionMigrated(alias=alias, to_instance_id=host):
+                moved = last.occurred_at.timestamp()
+            case _:  # released, or never bound
+                return None
         known = self.bindings.get(session_id)
-        binding = Binding(last.payload["alias"], host, moved, last.stream_version, last.position or 0,
+        binding = Binding(alias, host, moved, last.stream_version, last.position or 0,
                           known.context_tokens if known else 0, self.clock())
         self._set(session_id, binding)
         return binding

@@ -3,7 +3,7 @@
 Every routing switch, mix step, scaling target, placement, instance transition,
 command outcome and session binding that names the alias, with its time, reason
 and the inputs recorded with it. `--plot FILE.png` draws the same range as a
-figure instead (`services/ops/timeline.py`).
+figure instead (`services/ops/timeline_figure.py`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,25 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from shared.contracts.events import event_registry
-from shared.contracts.messages import Envelope
+from shared.contracts.events import (
+    AliasConfigured,
+    ColdStartCompleted,
+    InstanceCommandCompleted,
+    InstanceLoadReported,
+    InstanceStateChanged,
+    MixWeightChanged,
+    PlacementDecided,
+    PlacementFailed,
+    PlacementRequested,
+    PolicyDecided,
+    RoutingStateChanged,
+    ScalingTargetsChanged,
+    SessionBound,
+    SessionMigrated,
+    SessionReleased,
+    event_registry,
+)
+from shared.contracts.messages import Envelope, Event
 from shared.eventlog.db import create_engine
 from shared.eventlog.store import make_store
 from shared.settings import Settings
@@ -27,69 +44,71 @@ def _when(value: str) -> datetime:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
 
 
-def summarize(e: Envelope) -> str:
+def summarize(event: Event) -> str:
     """One line saying what happened and why."""
-    p = e.payload
-    t = e.type
-    if t == "RoutingStateChanged":
-        return f"routing {p['from_state']} -> {p['to_state']} (vLLM share {p['mix_weight']:.0%}) by {p['policy']}: {p['reason']}"
-    if t == "MixWeightChanged":
-        return f"mix {p['from_weight']:.0%} -> {p['to_weight']:.0%} to vLLM: {p['reason']}"
-    if t == "ScalingTargetsChanged":
-        return f"targets {p['reason']}"
-    if t == "PolicyDecided":
-        return f"decided by {p['policy']} v{p['policy_version']}: {p['summary']}"
-    if t == "ColdStartCompleted":
-        return f"cold start: {p['backend_type']} instance {p['instance_id']} serving {p['duration_s']:.1f} s after the first demand"
-    if t == "AliasConfigured":
-        backends = ", ".join(p["config"]["backends"])
-        return f"configured with backends {backends}"
-    if t == "PlacementRequested":
-        return f"placement requested for {p['backend_type']} instance {p['instance_id']} ({p['gpu_memory_gb']} GB)"
-    if t == "PlacementDecided":
-        return f"placed {p['backend_type']} instance {p['instance_id']} on {p['worker_id']} (score {p['score']:.3f}, fallback level {p['fallback_level']})"
-    if t == "PlacementFailed":
-        return f"placement of {p['backend_type']} instance {p['instance_id']} failed: {p['reason']}"
-    if t == "InstanceStateChanged":
-        return f"instance {p['instance_id']} ({p['backend_type']} on {p['worker_id']}) {p['from_state']} -> {p['to_state']}: {p['reason']}"
-    if t == "InstanceCommandCompleted":
-        detail = f": {p['detail']}" if p.get("detail") else ""
-        return f"instance {p['instance_id']} {p['action']} -> {p['outcome']}{detail}"
-    if t == "InstanceLoadReported":
-        return f"instance {p['instance_id']} inflight {p['inflight']} / capacity {p.get('capacity')}"
-    if t == "SessionBound":
-        return f"session {p['session_id']} bound to {p['instance_id']}"
-    if t == "SessionMigrated":
-        return f"session {p['session_id']} migrated {p['from_instance_id']} -> {p['to_instance_id']}: {p['reason']}"
-    if t == "SessionReleased":
-        return f"session {p['session_id']} released: {p['reason']}"
-    return t
+    match event:
+        case RoutingStateChanged(from_state=a, to_state=b, mix_weight=weight, policy=policy, reason=reason):
+            return f"routing {a.value} -> {b.value} (vLLM share {weight:.0%}) by {policy}: {reason}"
+        case MixWeightChanged(from_weight=a, to_weight=b, reason=reason):
+            return f"mix {a:.0%} -> {b:.0%} to vLLM: {reason}"
+        case ScalingTargetsChanged(reason=reason):
+            return f"targets {reason}"
+        case PolicyDecided(policy=policy, policy_version=version, summary=summary):
+            return f"decided by {policy} v{version}: {summary}"
+        case ColdStartCompleted(backend_type=backend, instance_id=instance, duration_s=seconds):
+            return f"cold start: {backend.value} instance {instance} serving {seconds:.1f} s after the first demand"
+        case AliasConfigured(config=config):
+            return f"configured with backends {', '.join(b.value for b in config.backends)}"
+        case PlacementRequested(backend_type=backend, instance_id=instance, gpu_memory_gb=gb):
+            return f"placement requested for {backend.value} instance {instance} ({gb:g} GB)"
+        case PlacementDecided(backend_type=backend, instance_id=instance, worker_id=worker, score=score,
+                              fallback_level=level):
+            return f"placed {backend.value} instance {instance} on {worker} (score {score:.3f}, fallback level {level})"
+        case PlacementFailed(backend_type=backend, instance_id=instance, reason=reason):
+            return f"placement of {backend.value} instance {instance} failed: {reason}"
+        case InstanceStateChanged(instance_id=instance, backend_type=backend, worker_id=worker, from_state=a,
+                                  to_state=b, reason=reason):
+            return f"instance {instance} ({backend.value} on {worker}) {a.value} -> {b.value}: {reason}"
+        case InstanceCommandCompleted(instance_id=instance, action=action, outcome=outcome, detail=detail):
+            return f"instance {instance} {action.value} -> {outcome.value}" + (f": {detail}" if detail else "")
+        case InstanceLoadReported(instance_id=instance, inflight=inflight, capacity=capacity):
+            return f"instance {instance} inflight {inflight} / capacity {capacity}"
+        case SessionBound(session_id=session, instance_id=instance):
+            return f"session {session} bound to {instance}"
+        case SessionMigrated(session_id=session, from_instance_id=a, to_instance_id=b, reason=reason):
+            return f"session {session} migrated {a} -> {b}: {reason}"
+        case SessionReleased(session_id=session, reason=reason):
+            return f"session {session} released: {reason}"
+    return event.TYPE
 
 
-def inputs_of(e: Envelope) -> dict[str, Any]:
+def inputs_of(event: Event) -> dict[str, Any]:
     """The recorded inputs of a decision: metric window, instances and commands in flight, candidates.
 
     (A `PolicyDecided` carries its whole snapshot; `--json` prints it all.)
     """
-    if e.type == "PolicyDecided":
-        snapshot = e.payload["snapshot"]
+    if isinstance(event, PolicyDecided):
+        snapshot = event.snapshot
         inputs: dict[str, Any] = {
-            "instances": [f"{i['instance_id']} {i['state']} inflight {i['inflight']}/{i['capacity']}"
-                          for i in snapshot["instances"]],
+            "instances": [f"{i.instance_id} {i.state.value} inflight {i.inflight}/{i.capacity}"
+                          for i in snapshot.instances],
         }
-        if snapshot["pending"]:
-            inputs["in flight"] = [f"{c['action']} {c['instance_id']}" for c in snapshot["pending"]]
-        if snapshot["demand"]:
-            inputs["held at gateways"] = snapshot["demand"]
+        if snapshot.pending:
+            inputs["in flight"] = [f"{c.action.value} {c.instance_id}" for c in snapshot.pending]
+        if snapshot.demand:
+            inputs["held at gateways"] = snapshot.demand
         return inputs
-    keys = ("metrics", "inputs", "candidates")
-    return {k: e.payload[k] for k in keys if e.payload.get(k)}
+    recorded = event.model_dump(mode="json", include={"metrics", "inputs", "candidates"})
+    return {k: v for k, v in recorded.items() if v}
 
 
-async def load_history(settings: Settings, alias: str, since: datetime | None, until: datetime | None) -> list[Envelope]:
+async def load_history(settings: Settings, alias: str, since: datetime | None,
+                       until: datetime | None) -> list[tuple[Envelope, Event]]:
+    """The alias's events in [since, until], each as stored (envelope) and as its typed fact."""
     engine = create_engine(settings, pool_size=1)
     try:
-        return await make_store(engine, event_registry(), settings.namespace).history(alias, since=since, until=until)
+        store = make_store(engine, event_registry(), settings.namespace)
+        return store.typed(await store.history(alias, since=since, until=until))
     finally:
         await engine.dispose()
 
@@ -106,12 +125,12 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     settings = Settings.load(discover=True)
     if args.plot:
-        from services.ops.timeline import plot_history  # matplotlib only for those who plot
+        from services.ops.timeline_figure import plot_history  # matplotlib only for those who plot
 
         return plot_history(settings, args.alias, args.since, args.until, args.plot)
     events = asyncio.run(load_history(settings, args.alias, args.since, args.until))
     if args.json:
-        for e in events:
+        for e, event in events:
             print(
                 json.dumps(
                     {
@@ -120,7 +139,7 @@ def main(argv: list[str]) -> int:
                         "type": e.type,
                         "version": e.version,
                         "stream": e.stream_id,
-                        "summary": summarize(e),
+                        "summary": summarize(event),
                         "causation_id": str(e.causation_id) if e.causation_id else None,
                         "correlation_id": str(e.correlation_id) if e.correlation_id else None,
                         "payload": e.payload,
@@ -131,8 +150,8 @@ def main(argv: list[str]) -> int:
     if not events:
         print(f"no events for alias {args.alias!r}")
         return 0
-    for e in events:
-        print(f"{e.occurred_at.isoformat(timespec='milliseconds')}  #{e.position:<8} {summarize(e)}")
-        for key, value in inputs_of(e).items():
+    for e, event in events:
+        print(f"{e.occurred_at.isoformat(timespec='milliseconds')}  #{e.position:<8} {summarize(event)}")
+        for key, value in inputs_of(event).items():
             print(f"{'':34}{key}: {json.dumps(value, sort_keys=True)}")
     return 0

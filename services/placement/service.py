@@ -98,7 +98,7 @@ class Placement:
                 # may have chosen another worker.
                 decided = await self._record(envelope, cmd, place(request, self.workers()))
             if decided is not None:
-                await self._send_start(envelope, cmd, decided.payload["worker_id"])
+                await self._send_start(envelope, cmd, self.store.fact(decided).worker_id)
 
     async def _record(self, envelope: Envelope, cmd: PlaceInstance, decision: PlacementChoice) -> Envelope | None:
         """Record the decision; return the stored PlacementDecided, or None if placement failed."""

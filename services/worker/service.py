@@ -138,10 +138,10 @@ class Worker:
                 return
             try:
                 last = await self.store.last_of(f"worker:{self.worker_id}")
-                if last is not None and last.type != WorkerRegistered.TYPE:
+                gone = self.store.fact(last) if last is not None else None
+                if isinstance(gone, (WorkerLost, WorkerDeregistered)):
                     log.warning("the log says this worker is %s (%s); registering again",
-                                "lost" if last.type == WorkerLost.TYPE else "deregistered",
-                                last.payload.get("reason", ""))
+                                "lost" if isinstance(gone, WorkerLost) else "deregistered", gone.reason)
                     await self.follow_the_log()
                     await self.register(engines)
             except Exception as exc:
@@ -155,17 +155,18 @@ class Worker:
         for inst in list(self.instances.values()):
             async with self._lock(inst.instance_id):
                 last = await self.store.last_of(f"instance:{inst.instance_id}")
-                if last is None or last.type != InstanceStateChanged.TYPE:
+                moved = self.store.fact(last) if last is not None else None
+                if not isinstance(moved, InstanceStateChanged):
                     continue
-                recorded = S(last.payload["to_state"])
-                if recorded is inst.state or last.payload.get("worker_id") != self.worker_id:
+                recorded = moved.to_state
+                if recorded is inst.state or moved.worker_id != self.worker_id:
                     continue
                 log.warning("instance %s is %s in the log (%s), %s here: stopping its engine", inst.instance_id,
-                            recorded.value, last.payload.get("reason"), inst.state.value)
+                            recorded.value, moved.reason, inst.state.value)
                 if inst.process is not None:
                     await inst.process.stop()
                     inst.process = None
-                inst.state, inst.error = recorded, last.payload.get("reason")
+                inst.state, inst.error = recorded, moved.reason
                 if recorded is S.ABSENT:
                     self.instances.pop(inst.instance_id, None)
 

@@ -180,6 +180,16 @@ class EventStore(ABC):
         batches, for the read models; `types` limits the read to the types the caller folds. Types this code
         does not know (written by a newer release) are skipped."""
 
+    def fact(self, envelope: Envelope) -> Event | None:
+        """A read envelope's typed fact, decoded as the read models decode it; None for a type this code does
+        not know."""
+        decode = self._decoder(envelope.type, envelope.version)
+        return decode(envelope.payload) if decode is not None else None
+
+    def typed(self, envelopes: Sequence[Envelope]) -> list[tuple[Envelope, Event]]:
+        """Read envelopes beside their typed facts; types this code does not know are left out."""
+        return [(e, fact) for e in envelopes if (fact := self.fact(e)) is not None]
+
     def _decoder(self, type_name: str, version: int) -> Decoder | None:
         """How a stored payload of this type and version (an object, or its JSON text) becomes its contract at the
         latest version this code knows; None for a type this code does not know (written by a newer release).
