@@ -36,6 +36,7 @@ from lab.record import RunRecord
 from lab.results import run
 from shared.contracts.backends import BackendType
 from shared.contracts.config import AliasConfig, PolicySettings
+from shared.contracts.states import InstanceState
 from shared.contracts.trace import TraceRequest
 
 FAST, SLOW = BackendType.LLAMA_CPP, BackendType.VLLM
@@ -74,13 +75,13 @@ def estimate(record: RunRecord) -> Estimates:
     started: dict[str, float] = {}
     commanded = sorted(record.wakes)
     for t in sorted(record.transitions, key=lambda t: t.t):
-        if t.backend != SLOW.value:
+        if t.backend is not SLOW:
             continue
-        if t.to_state == "STARTING":
+        if t.to_state is InstanceState.STARTING:
             started[t.instance_id] = t.t
-        elif t.to_state == "RUNNING" and t.from_state == "STARTING" and t.instance_id in started:
+        elif t.to_state is InstanceState.RUNNING and t.from_state is InstanceState.STARTING and t.instance_id in started:
             starts.append(t.t - started.pop(t.instance_id))
-        elif t.to_state == "RUNNING" and t.from_state in ("SLEEP_1", "SLEEP_2"):
+        elif t.to_state is InstanceState.RUNNING and t.from_state in (InstanceState.SLEEP_1, InstanceState.SLEEP_2):
             before = [w for w, i in commanded if i == t.instance_id and w <= t.t]
             if before:
                 wakes.append(t.t - before[-1])

@@ -504,8 +504,7 @@ class Cluster:
         inst = LabInstance(a.instance_id, a.backend, placed.worker_id, model, S.STARTING, now, role=a.role,
                            ready_at=now + model.startup_s, t_ref=now, busy_until=now)
         self.instances[a.instance_id] = inst
-        self.record.transitions.append(Transition(now, inst.instance_id, inst.backend.value, S.ABSENT.value,
-                                                  S.STARTING.value))
+        self.record.transitions.append(Transition(now, inst.instance_id, inst.backend, S.ABSENT, S.STARTING))
         self.workers[placed.worker_id].append(a.instance_id)
         self._memory_changed(now, model.memory_gb)
         self._push(now + model.startup_s, READY, (inst.instance_id, inst.version))
@@ -594,8 +593,7 @@ class Cluster:
         if (inst.state is S.RUNNING) != (state is S.RUNNING):
             self._level(now)
             self._running[inst.backend] += 1 if state is S.RUNNING else -1
-        self.record.transitions.append(Transition(now, inst.instance_id, inst.backend.value, inst.state.value,
-                                                  state.value))
+        self.record.transitions.append(Transition(now, inst.instance_id, inst.backend, inst.state, state))
         inst.state, inst.since = state, now
 
     def _routable(self) -> bool:

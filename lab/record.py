@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from shared.contracts.backends import Action
+from shared.contracts.backends import Action, BackendType
 from shared.contracts.control import MetricWindow
 from shared.contracts.events import AliasConfigured, InstanceStateChanged, PolicyDecided
 from shared.contracts.messages import Envelope, Event
@@ -25,9 +25,14 @@ from shared.contracts.states import InstanceState
 class Transition:
     t: float
     instance_id: str
-    backend: str
-    from_state: str
-    to_state: str
+    backend: BackendType
+    from_state: InstanceState
+    to_state: InstanceState
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> "Transition":
+        return cls(float(fields["t"]), fields["instance_id"], BackendType(fields["backend"]),
+                   InstanceState(fields["from_state"]), InstanceState(fields["to_state"]))
 
 
 @dataclass(slots=True)
@@ -63,7 +68,7 @@ class RunRecord:
     @classmethod
     def read(cls, path: Path) -> "RunRecord":
         data = json.loads(path.read_text())
-        return cls(data["alias"], [Transition(**t) for t in data["transitions"]], [tuple(w) for w in data["wakes"]],
+        return cls(data["alias"], [Transition.read(t) for t in data["transitions"]], [tuple(w) for w in data["wakes"]],
                    [WindowRecord(**w) for w in data["windows"]], data.get("source", "lab"))
 
 
@@ -85,8 +90,7 @@ def record_from_log(events: list[tuple[Envelope, Event]]) -> RunRecord:
                 alias = config.model_dump(mode="json")
             case InstanceStateChanged():
                 record.transitions.append(Transition(at(envelope.occurred_at), event.instance_id,
-                                                     event.backend_type.value, event.from_state.value,
-                                                     event.to_state.value))
+                                                     event.backend_type, event.from_state, event.to_state))
             case PolicyDecided(decision=decision, snapshot=snapshot):
                 record.wakes.extend((at(envelope.occurred_at), a.instance_id)
                                     for a in decision.actions if a.action is Action.WAKE)

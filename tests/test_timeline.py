@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from alias_life import ALIAS, CONFIG, WARMING_REASON, F, I, R, V, at, record_a_cycle
 
-from lab.record import record_from_log
+from lab.record import RunRecord, record_from_log
 from services.ops.history import inputs_of, summarize
 from services.ops.timeline import STATE_EVENTS, Timeline, fold_timeline, recorded_windows
 from shared.contracts.backends import EngineKind
@@ -70,13 +70,16 @@ async def test_history_says_what_happened_from_typed_events(cycle):
     assert inputs_of(decided) == {"instances": []}
 
 
-async def test_a_pool_run_read_back_for_calibration(cycle):
+async def test_a_pool_run_read_back_for_calibration(cycle, tmp_path):
     record = record_from_log(cycle.typed(await cycle.history(ALIAS)))
     assert record.source == "event log" and record.alias["alias"] == ALIAS
     assert record.alias == CONFIG.model_dump(mode="json")
     assert [(t.t, t.instance_id, t.backend, t.from_state, t.to_state) for t in record.transitions][:2] == [
-        (11.0, "f1", "llama.cpp", "ABSENT", "STARTING"), (15.0, "f1", "llama.cpp", "STARTING", "RUNNING")]
+        (11.0, "f1", F, I.ABSENT, I.STARTING), (15.0, "f1", F, I.STARTING, I.RUNNING)]
     assert len(record.transitions) == 11 and record.wakes == []
     assert [(w.start, w.end) for w in record.windows][:3] == [(8.0, 10.0), (58.0, 60.0), (98.0, 100.0)]
     first_warm = record.windows[1]
     assert first_warm.arrivals == 6 and first_warm.inflight == {"llama.cpp": 3.5, "vllm": 0.0}
+    record.write(tmp_path / "record.json")
+    again = RunRecord.read(tmp_path / "record.json")
+    assert again.transitions == record.transitions and again.windows == record.windows and again.alias == record.alias

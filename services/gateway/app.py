@@ -34,7 +34,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from services.gateway.admission import Admission, AliasQueueFull, Waiter
 from services.gateway.edge import (
@@ -57,6 +57,7 @@ from services.gateway.routing import Ask, Router, Slot
 from services.gateway.sessions import Sessions
 from services.gateway.sse import EventScanner, Usage, usage_of_body
 from services.gateway.starts import StartTimes
+from shared.client_gone import client_gone
 from shared.bus.telemetry import TelemetryBus
 from shared.contracts.backends import BackendType, engine_label
 from shared.contracts.config import GatewayConfig, PoolConfig
@@ -277,7 +278,7 @@ class Exchange:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         work = asyncio.ensure_future(self._run(send))
-        gone = asyncio.ensure_future(_client_gone(receive))
+        gone = asyncio.ensure_future(client_gone(receive))
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -656,13 +657,6 @@ async def _chunks(head: bytes, response: aiohttp.ClientResponse) -> AsyncIterato
     yield head
     async for data in response.content.iter_any():
         yield data
-
-
-async def _client_gone(receive: Receive) -> None:
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def model_cards(gateway: Gateway) -> list[ModelCard]:

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from shared.client_gone import client_gone
 from shared.engine_asgi import EngineHeader
 from shared.openai_protocol import (
     SSE_DONE,
@@ -69,13 +70,6 @@ def _one_choice(body: ChatCompletionRequest | CompletionRequest) -> None:
     if body.n != 1:
         raise bad_request("the llama.cpp engine generates one choice per request (n = 1); send n requests",
                           param="n", code="unsupported_parameter")
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def _next_event(queue: asyncio.Queue[EngineEvent], disconnected: asyncio.Future[None]) -> EngineEvent | None:
@@ -311,7 +305,7 @@ class EngineAPI:
         except APIError as err:
             return error_response(err)
 
-        disconnected = asyncio.ensure_future(_wait_disconnect(request.receive))
+        disconnected = asyncio.ensure_future(client_gone(request.receive))
         finished = False
 
         def close() -> None:

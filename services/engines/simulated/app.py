@@ -35,6 +35,7 @@ from services.engines.simulated.driver import Generation, RealTimeDriver
 from services.engines.simulated.lifecycle import EngineState, Lifecycle, LifecycleError
 from services.engines.simulated.metrics import EngineSnapshot, EngineStats, render_llamacpp, render_vllm
 from services.engines.simulated.shaping import Shape
+from shared.client_gone import client_gone
 from shared.engine_asgi import RAW_SEND_KEY, EngineHeader, TraceRequests
 from shared.openai_protocol import (
     SSE_DONE,
@@ -426,13 +427,10 @@ class EngineServer:
         return Usage.of(gens[0].prompt_tokens, sum(g.emitted for g in gens), cached)
 
     async def cancel_on_disconnect(self, receive: Receive, *gens: Generation) -> None:
-        """Cancel the answer's sequences when the client leaves before they are done."""
-        while any(gen.finish_reason is None for gen in gens):
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                for gen in gens:
-                    self.driver.cancel(gen)
-                return
+        """Cancel the answer's sequences when the client leaves before they are done (finished ones stay)."""
+        await client_gone(receive)
+        for gen in gens:
+            self.driver.cancel(gen)
 
     async def _until_finished(self, request: Request, gen: Generation) -> None:
         watcher = asyncio.ensure_future(self.cancel_on_disconnect(request.receive, gen))
