@@ -1,26 +1,73 @@
-"""Routers by name, built from an alias's `router:` section of the pool file."""
+"""Routers built from an alias's `router:` section: a preset's filters and weighted scorers, or the lists given.
+
+Every filter and scorer has a name here, as llm-d's plugins have a type: a pool
+file can put them together in another order or with other weights without new
+code. What a router does with sessions follows from its filters: a session
+filter makes its requests wait for their own instance (`per_session`), and the
+host filters bind sessions in the log (`binds_sessions`).
+"""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
-from routing.plugins import ear, kv_aware, least_load, round_robin, sticky
-from routing.scheduler import Scheduler
-from shared.contracts.config import RouterConfig
+from routing.plugins.ear import SessionHost
+from routing.plugins.kv_aware import prefix_hit
+from routing.plugins.least_load import INFLIGHT_WEIGHT, least_inflight, least_pending_prefill
+from routing.plugins.round_robin import NextInTurn
+from routing.plugins.sticky import session_hash
+from routing.scheduler import Filter, Scheduler, Scorer, Weighted, has_room
+from shared.contracts.config import RouterConfig, RouterFilter, RouterScorer, ScorerConfig
+
+FILTERS: dict[RouterFilter, Callable[[RouterConfig], Filter]] = {
+    "has-room": lambda _: has_room,
+    "session-hash": lambda _: session_hash,
+    "session-host": lambda c: SessionHost(c.t_hot_tokens, c.t_cool_s, migrate=False),
+    "session-host-or-move": lambda c: SessionHost(c.t_hot_tokens, c.t_cool_s),
+}
+SCORERS: dict[RouterScorer, Callable[[], Scorer]] = {
+    "least-pending-prefill": lambda: least_pending_prefill,
+    "least-inflight": lambda: least_inflight,
+    "prefix-hit": lambda: prefix_hit,
+    "next-in-turn": NextInTurn,  # keeps whose turn it is: one per router
+}
+
+
+def preset(config: RouterConfig) -> tuple[tuple[RouterFilter, ...], tuple[ScorerConfig, ...]]:
+    """The filters and weighted scorers `router.plugin` names (docs/routing.md has them as a table)."""
+    least_load = (ScorerConfig(name="least-pending-prefill"), ScorerConfig(name="least-inflight", weight=INFLIGHT_WEIGHT))
+    match config.plugin:
+        case "round-robin":
+            return ("has-room",), (ScorerConfig(name="next-in-turn"),)
+        case "least-load":
+            return ("has-room",), least_load
+        case "kv-aware":
+            return ("has-room",), (ScorerConfig(name="prefix-hit", weight=config.kv_weight),
+                                   ScorerConfig(name="least-pending-prefill", weight=config.load_weight),
+                                   ScorerConfig(name="least-inflight", weight=INFLIGHT_WEIGHT))
+        case "sticky":
+            return ("session-hash", "has-room"), ()
+        case "affinity":
+            return ("session-host", "has-room"), least_load
+        case "ear":
+            return ("session-host-or-move", "has-room"), least_load
+    raise ValueError(f"unknown router plugin {config.plugin!r}")
 
 
 def build_scheduler(config: RouterConfig, rng: random.Random) -> Scheduler:
-    match config.plugin:
-        case "round-robin":
-            return round_robin.build(rng)
-        case "least-load":
-            return least_load.build(rng)
-        case "kv-aware":
-            return kv_aware.build(rng, config.kv_weight, config.load_weight)
-        case "sticky":
-            return sticky.build(rng)
-        case "affinity":
-            return ear.build(rng, config.t_hot_tokens, config.t_cool_s, migrate=False)
-        case "ear":
-            return ear.build(rng, config.t_hot_tokens, config.t_cool_s)
-    raise ValueError(f"unknown router plugin {config.plugin!r}")
+    filters, scorers = preset(config)
+    custom = config.filters is not None or config.scorers is not None
+    filters = config.filters if config.filters is not None else filters
+    if "has-room" not in filters:  # admission's bound: no router sends an instance more than its capacity
+        filters = (*filters, "has-room")
+    scorers = config.scorers if config.scorers is not None else scorers
+    return Scheduler(
+        f"{config.plugin} (custom)" if custom else config.plugin,
+        [FILTERS[name](config) for name in filters],
+        [Weighted(SCORERS[s.name](), s.weight) for s in scorers if s.weight > 0],
+        rng,
+        binds_sessions=any(f in ("session-host", "session-host-or-move") for f in filters),
+        per_session="session-hash" in filters,
+        reads_cache=any(s.name == "prefix-hit" for s in scorers),
+    )

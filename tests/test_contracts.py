@@ -131,6 +131,10 @@ def test_pool_config_layers(tmp_path):
         ("aliases:\n  - alias: a\n    backends:\n      tgi: {model_name: m, model_path: p, gpu_memory_gb: 1}\n", "aliases[0].backends.tgi"),
         ("aliases:\n  - alias: a\n    backends:\n      vllm: {model_name: m, gpu_memory_gb: 1}\n", "aliases[0].backends.vllm.model_path"),
         ("aliases:\n  - alias: a\n    backends:\n      vllm: {model_name: m, model_path: p, gpu_memory_gb: 1, min_replicas: 3, max_replicas: 1}\n", "aliases[0].backends.vllm"),
+        ("aliases:\n  - alias: a\n    backends:\n      vllm: {model_name: m, model_path: p, gpu_memory_gb: 1}\n"
+         "    router: {scorers: [{name: fastest}]}\n", "aliases[0].router.scorers[0].name"),
+        ("aliases:\n  - alias: a\n    backends:\n      vllm: {model_name: m, model_path: p, gpu_memory_gb: 1}\n"
+         "    router: {filters: [session-hash, session-host]}\n", "aliases[0].router"),
         ("policy:\n  HYBRID_ALPHA: 2\n", "policy.HYBRID_ALPHA"),
         ("policy:\n  HYBRID_ALPHAA: 0.5\n", "policy.HYBRID_ALPHAA"),
     ],
@@ -248,7 +252,9 @@ def test_start_commands_and_alias_configs_of_older_versions_read_as_the_latest()
     assert version == 3 and latest["role"] is None
     config = {"alias": "a", "backends": {"vllm": {"model_name": "m", "model_path": "/m", "gpu_memory_gb": 1}}}
     version, latest = events.upcast("AliasConfigured", 2, {"alias": "a", "config": config})
-    assert version == 3 and AliasConfigured.model_validate(latest).config.autoscaling_policy.name == "hybrid"
+    assert version == 4 and AliasConfigured.model_validate(latest).config.autoscaling_policy.name == "hybrid"
+    assert AliasConfigured.model_validate(latest).config.router.scorers is None  # the preset's
+    assert events.valid_as_is("AliasConfigured", 1)
 
 
 def test_every_contract_type_is_unique_and_registered():

@@ -7,7 +7,6 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
 import time
 from datetime import datetime, timezone
 
@@ -16,7 +15,7 @@ import pytest
 
 from helpers import consuming, eventually
 from services.engines.simulated.config import EngineConfig
-from services.worker.engines import EngineLauncher, EngineOptions, _dying_with, kill_leftover_engines, leftover_engines
+from services.worker.engines import EngineLauncher, EngineOptions, kill_leftover_engines, leftover_engines
 from services.worker.main import command_consumer
 from services.worker.service import Worker
 from shared.bus import subjects as h
@@ -468,12 +467,3 @@ async def test_engines_left_by_an_earlier_life_of_the_worker_are_found_by_their_
     assert leftover_engines("ns/w2") == [] and leftover_engines("ns/w1") == [engine.pid]
     assert kill_leftover_engines("ns/w1") == [engine.pid]
     assert await asyncio.wait_for(engine.wait(), 5) == -signal.SIGKILL
-
-
-def test_an_engine_whose_worker_died_before_it_could_be_tied_to_it_ends_itself():
-    # The parent-death signal only fires for a parent alive when it was set: a child that finds another
-    # parent than the one that forked it (the worker died in between) ends at once, before its engine runs.
-    child = subprocess.run(["sleep", "30"], preexec_fn=_dying_with(os.getpid() + 999_999), timeout=10)
-    assert child.returncode == -signal.SIGTERM
-    alive = subprocess.run(["true"], preexec_fn=_dying_with(os.getpid()), timeout=10)
-    assert alive.returncode == 0

@@ -22,7 +22,6 @@ Lifetime rules, the same for both servers:
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import logging
@@ -40,182 +39,30 @@ import urllib.error
 import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
+from services.processes import (
+    Account,
+    is_alive,
+    kill_quietly,
+    log_tail,
+    processes_running,
+    spawn,
+    stop_process,
+    tied_to_us,
+    wait_gone,
+)
 from shared.net import free_port
 
 log = logging.getLogger(__name__)
 
 LOCALHOST = "127.0.0.1"
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 class EmbeddedServerError(RuntimeError):
     """An embedded server could not be found, initialised or started."""
-
-
-# ---------------------------------------------------------------------------
-# process helpers (Linux)
-
-
-@dataclass(frozen=True)
-class Account:
-    """The unprivileged system account a server runs as when we are root."""
-
-    name: str
-    uid: int
-    gid: int
-
-
-def _child_setup(account: Account | None, death_signal: int | None, parent_pid: int) -> Callable[[], None]:
-    """The function run in the forked child before exec.
-
-    Order matters: the kernel clears the parent-death signal whenever the
-    effective uid or gid changes, so the switch to `account` happens first and
-    PR_SET_PDEATHSIG last. Everything it calls was loaded before the fork.
-    """
-
-    def setup() -> None:
-        if account is not None:
-            os.setgroups([])
-            os.setgid(account.gid)
-            os.setuid(account.uid)
-        if death_signal is None:
-            return
-        _LIBC.prctl(_PR_SET_PDEATHSIG, death_signal, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os.kill(os.getpid(), death_signal)
-
-    return setup
-
-
-def spawn(
-    argv: list[str],
-    *,
-    output: IO[bytes] | int | None,
-    death_signal: int | None = signal.SIGTERM,
-    account: Account | None = None,
-    env: dict[str, str] | None = None,
-    cwd: Path | None = None,
-) -> subprocess.Popen[bytes]:
-    """Start `argv` in a new session (its own process group), tied to our life.
-
-    The child gets `death_signal` when the thread calling this dies (None: never).
-
-    `preexec_fn` is safe with threads here: the child only makes system calls
-    through functions resolved before the fork, and takes no Python locks.
-    """
-    return subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=output,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=_child_setup(account, death_signal, os.getpid()),
-        env=env,
-        cwd=cwd,
-    )
-
-
-def descendants_of(pid: int) -> list[int]:
-    """Every live descendant of `pid`, found by walking /proc parent links."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry)] = int(fields[1])
-    found: list[int] = []
-    frontier = [pid]
-    while frontier:
-        current = frontier.pop()
-        kids = [child for child, parent in parents.items() if parent == current]
-        found.extend(kids)
-        frontier.extend(kids)
-    return found
-
-
-def is_alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in (b"Z", b"X")
-
-
-def _processes_running(executable: Path | str, *, in_directory: Path) -> list[int]:
-    """Live pids running `executable` with `in_directory` as their working directory."""
-    executable, directory = os.path.realpath(executable), os.path.realpath(in_directory)
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            matches = os.readlink(f"/proc/{entry}/exe") == executable and os.readlink(f"/proc/{entry}/cwd") == directory
-        except OSError:  # gone, or not ours to inspect
-            continue
-        if matches and is_alive(int(entry)):
-            found.append(int(entry))
-    return found
-
-
-def _kill_quietly(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _wait_gone(pids: list[int], *, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def stop_process(proc: subprocess.Popen[bytes], *, first_signal: int, grace_s: float) -> None:
-    """Stop `proc` and everything it started: `first_signal`, then SIGKILL after `grace_s`.
-
-    Descendants are collected before signalling because some (Postgres
-    backends) make themselves session leaders, so killing the process group
-    would miss them; they normally exit with their parent, and are killed if not.
-    """
-    if proc.poll() is not None:
-        return
-    descendants = descendants_of(proc.pid)
-    _kill_quietly(proc.pid, first_signal)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        log.warning("pid %d did not stop within %.0f s after %s; killing it", proc.pid, grace_s, signal.Signals(first_signal).name)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        _kill_quietly(proc.pid, signal.SIGKILL)
-        proc.wait()
-    _wait_gone(descendants, timeout_s=5.0)
-    for pid in descendants:
-        if is_alive(pid):
-            _kill_quietly(pid, signal.SIGKILL)
-
-
-def log_tail(path: Path, limit: int = 4000) -> str:
-    """The last `limit` characters of a log file, for error messages."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return text[-limit:].strip() or "(empty log)"
 
 
 class _PortTaken(EmbeddedServerError):
@@ -624,7 +471,7 @@ class EmbeddedPostgres(EmbeddedServer):
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
-            preexec_fn=_child_setup(self.account if as_account else None, signal.SIGTERM, os.getpid()),
+            preexec_fn=tied_to_us(self.account if as_account else None, signal.SIGTERM, os.getpid()),
             start_new_session=True,
             timeout=timeout_s,
         )
@@ -682,11 +529,11 @@ class EmbeddedPostgres(EmbeddedServer):
         live server and refuse to start.
         """
         self._refuse_if_running()
-        leftovers = _processes_running(self._bin("postgres"), in_directory=self.pgdata)
+        leftovers = processes_running(self._bin("postgres"), in_directory=self.pgdata)
         for pid in leftovers:
             log.warning("killing pid %d, left over from a PostgreSQL server that died on %s", pid, self.pgdata)
-            _kill_quietly(pid, signal.SIGKILL)
-        _wait_gone(leftovers, timeout_s=5.0)
+            kill_quietly(pid, signal.SIGKILL)
+        wait_gone(leftovers, timeout_s=5.0)
         (self.pgdata / "postmaster.pid").unlink(missing_ok=True)
 
     def _accepting(self) -> bool:

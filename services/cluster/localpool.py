@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from services.processes import spawn
 from shared.net import free_port
 
 CONTROL_SERVICES = ("relay", "projector", "placement", "autoscaler", "gateway")
@@ -37,8 +38,9 @@ class Process:
         """What this process's environment adds to the pool's (restarted the same way)."""
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", command], env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        # Not tied to the starting thread's life: a pool is often started from a worker thread that ends first.
+        self.proc = spawn([sys.executable, "-m", "services.cli", command], output=self._log, env=env,
+                          death_signal=None)
 
     @property
     def alive(self) -> bool:
@@ -95,10 +97,11 @@ class LocalPool:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, ready_timeout_s: float = 60.0) -> "LocalPool":
-        for name in CONTROL_SERVICES:
-            self.start_service(name)
+        # Workers first: they register while the control plane starts, so its first placements see them all.
         for worker_id in self.worker_settings:
             self.start_worker(worker_id)
+        for name in CONTROL_SERVICES:
+            self.start_service(name)
         deadline = time.monotonic() + ready_timeout_s
         while not self._healthy():
             dead = [p.name for p in self.processes.values() if not p.alive]

@@ -32,18 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TextIO
 
-from services.cluster.embedded import (
-    LOCALHOST,
-    EmbeddedNats,
-    EmbeddedPostgres,
-    EmbeddedServer,
-    EmbeddedServerError,
-    descendants_of,
-    is_alive,
-    log_tail,
-    spawn,
-)
-from services.processes import processes_with_marker
+from services.cluster.embedded import LOCALHOST, EmbeddedNats, EmbeddedPostgres, EmbeddedServer, EmbeddedServerError
+from services.processes import descendants_of, is_alive, log_tail, processes_with_marker, spawn
 
 # Start order: the relay first so no committed event waits for a bus
 # publisher, then the projector that keeps the read models; the gateway last

@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import re
 import signal
 import sys
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 
-from services.processes import processes_with_marker
+from services.processes import processes_with_marker, spawn_async
 from services.worker.status import METRIC_NAMES, EngineStatus, Scrape, StatusTracker, parse_scrape
 from shared.contracts.backends import BackendType, EngineKind
 from shared.contracts.commands import StartInstance
@@ -304,27 +302,8 @@ def listens_elsewhere(pid: int, port: int) -> bool:
     return True
 
 
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 ENGINE_MARKER = "MODELPOOL_ENGINE_OF"
 """Set in every engine's environment to `<namespace>/<worker id>`: a restarted worker finds its predecessor's engines by it."""
-
-
-def _dying_with(parent_pid: int) -> Callable[[], None]:
-    """The function the engine's child process runs before exec: SIGTERM it when the worker dies, even by SIGKILL.
-
-    Without this an engine (and its GPU memory) would outlive a crashed worker
-    with nobody left who knows it exists. If the worker died between the fork and
-    this call, the signal would never come: the parent pid tells, and the child
-    ends itself. (A worker restarted on the host also kills what is left, by marker.)
-    """
-
-    def setup() -> None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return setup
 
 
 def leftover_engines(marker: str) -> list[int]:
@@ -366,11 +345,10 @@ class EngineLauncher:
                 log_file.write(f"--- {datetime.now(timezone.utc).isoformat()} modelpool worker: {' '.join(argv)}\n".encode())
                 log_file.flush()
                 log_start = log_file.tell()
-                process = await asyncio.create_subprocess_exec(
-                    *argv, env={**os.environ, **extra_env, ENGINE_MARKER: self.marker}, start_new_session=True,
-                    preexec_fn=_dying_with(os.getpid()) if _LIBC is not None else None,
-                    stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=asyncio.subprocess.STDOUT,
-                )
+                # SIGTERM when the worker dies, even by SIGKILL: an engine (and its GPU memory) must not outlive
+                # a crashed worker with nobody left who knows it exists.
+                process = await spawn_async(argv, output=log_file,
+                                            env={**os.environ, **extra_env, ENGINE_MARKER: self.marker})
         except OSError as exc:
             raise EngineError(f"cannot start {argv[0]}: {exc.strerror} ({exc.filename or log_path})") from exc
         endpoint = f"http://{self.options.host}:{port}"

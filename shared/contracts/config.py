@@ -92,14 +92,35 @@ class BackendConfig(BaseModel):
 
 
 RouterPlugin = Literal["round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear"]
+RouterFilter = Literal["has-room", "session-hash", "session-host", "session-host-or-move"]
+"""Filters by name (`routing/registry.py`): the first leaves instances below their capacity (always applied, last
+when not listed); the others keep a session's turns together, by hash, on its host, or on its host unless hot."""
+RouterScorer = Literal["least-pending-prefill", "least-inflight", "prefix-hit", "next-in-turn"]
+SESSION_FILTERS = ("session-hash", "session-host", "session-host-or-move")
+
+
+class ScorerConfig(BaseModel):
+    """One scorer of a router, with its weight in the sum the picker takes the highest of."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: RouterScorer
+    weight: float = Field(default=1.0, ge=0)
 
 
 class RouterConfig(BaseModel):
-    """How the gateway picks an instance of the alias's backend (docs/routing.md; the plugins in `routing/plugins/`)."""
+    """How the gateway picks an instance of the alias's backend (docs/routing.md; the plugins in `routing/plugins/`).
+
+    `plugin` names a preset: its filters and weighted scorers. `filters` and `scorers`, when given, replace the
+    preset's, as llm-d's scheduling profiles list their plugins."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     plugin: RouterPlugin = "least-load"
+    filters: tuple[RouterFilter, ...] | None = None
+    """The filters, in order, instead of the preset's."""
+    scorers: tuple[ScorerConfig, ...] | None = None
+    """The weighted scorers instead of the preset's (an empty list: the candidates left tie, picked at random)."""
     t_hot_tokens: int = Field(default=DEFAULT_T_HOT_TOKENS, ge=0)
     """EAR: a host with more pending prefill tokens than this is hot, and its sessions may move."""
     t_cool_s: float = Field(default=DEFAULT_T_COOL_S, ge=0)
@@ -115,6 +136,15 @@ class RouterConfig(BaseModel):
     internal ports); otherwise, or when the move fails, the new host recomputes the context."""
     kv_move_timeout_s: float = Field(default=10.0, gt=0)
     """EAR: a KV move that takes longer is abandoned, and the new host recomputes."""
+
+    @model_validator(mode="after")
+    def _one_way_to_keep_sessions(self) -> "RouterConfig":
+        kept = [f for f in self.filters or () if f in SESSION_FILTERS]
+        if len(kept) > 1:
+            raise ValueError(f"filters: at most one of {', '.join(SESSION_FILTERS)} (got {', '.join(kept)})")
+        if self.filters is not None and len(set(self.filters)) != len(self.filters):
+            raise ValueError("filters: a filter is listed twice")
+        return self
 
 
 class HybridPolicyConfig(BaseModel):

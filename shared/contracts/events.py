@@ -32,10 +32,11 @@ class AliasConfigured(Event):
     """An alias's configuration as loaded at start-up (recorded when it changes).
 
     v2: a backend's configuration may carry `engine_args`.
-    v3: `autoscaling_policy`, the alias's policy and its parameters (hybrid when absent)."""
+    v3: `autoscaling_policy`, the alias's policy and its parameters (hybrid when absent).
+    v4: `router.filters` and `router.scorers`, a router's own lists (the preset's when absent)."""
 
     TYPE = "AliasConfigured"
-    VERSION = 3
+    VERSION = 4
     CATEGORY = "alias"
     alias: str
     config: AliasConfig
@@ -387,4 +388,5 @@ def event_registry() -> Registry:
     registry.fields_added(InstanceStateChanged.TYPE, 3, "role")
     registry.fields_added(AliasConfigured.TYPE, 1)  # v1 payloads are valid v2 payloads
     registry.fields_added(AliasConfigured.TYPE, 2)  # and v2 ones valid v3 ones (the hybrid policy)
+    registry.fields_added(AliasConfigured.TYPE, 3)  # and v3 ones valid v4 ones (the router's preset)
     return registry

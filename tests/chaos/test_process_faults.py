@@ -9,7 +9,7 @@ import pytest
 from chaos_checks import assert_healed
 
 from services.cluster.chaos import SETTLE_S, engine_pid, pool_yaml
-from services.cluster.embedded import is_alive
+from services.processes import is_alive
 
 
 @pytest.mark.parametrize("service", ["relay", "projector", "placement", "autoscaler"])
@@ -35,7 +35,11 @@ async def test_a_worker_sigkilled_takes_its_engines_along_and_the_other_workers_
     engine = engine_pid(on_w1["endpoint"])
     load = chaos.load(["warm"], clients=4, max_tokens=40)
     injected = await chaos.inject("worker-kill", down_s=2)
-    assert not is_alive(engine)  # the engine died with its worker
+    async def engine_gone() -> bool:
+        return not is_alive(engine)
+
+    # The engine died with its worker: SIGTERMed by the kernel, it ends once its open answers are cut.
+    await chaos.wait_for("the engine gone with its worker", engine_gone, 10)
     (error, *_) = await chaos.wait_for("the lost instance recorded",
                                        lambda: chaos.errors_of("warm", on_w1["instance_id"]), 30)
     await asyncio.sleep(SETTLE_S)

@@ -15,11 +15,9 @@ leaves a host that runs.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
-from routing.plugins.least_load import LOAD_SCORERS
-from routing.scheduler import Endpoint, RoutingRequest, Scheduler, has_room
+from routing.scheduler import Endpoint, RoutingRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +42,3 @@ class SessionHost:
                    and (e.pending_prefill < host.pending_prefill or (host.full and e.pending_prefill == host.pending_prefill))
                    and (e.kv_free_tokens is None or e.kv_free_tokens >= session.context_tokens)]
         return targets or [host]
-
-
-def build(rng: random.Random, t_hot_tokens: int, t_cool_s: float, migrate: bool = True) -> Scheduler:
-    return Scheduler("ear" if migrate else "affinity", [SessionHost(t_hot_tokens, t_cool_s, migrate), has_room],
-                     LOAD_SCORERS, rng, binds_sessions=True)

@@ -1,16 +1,14 @@
-import random
 
 import pytest
 
-from routing.plugins.testing import endpoints, request
-from routing.plugins.ear import build
+from routing.plugins.testing import endpoints, make_router, request
 
 T_HOT, T_COOL = 8000, 30.0
 
 
 @pytest.fixture
 def ear():
-    return build(random.Random(0), T_HOT, T_COOL)
+    return make_router("ear", t_hot_tokens=T_HOT, t_cool_s=T_COOL)
 
 
 def test_a_new_session_goes_to_the_fewest_pending_prefill_tokens(ear):
@@ -55,7 +53,7 @@ def test_a_host_that_is_gone_is_replaced_by_load(ear):
 
 
 def test_affinity_is_ear_without_moves():
-    affinity = build(random.Random(0), T_HOT, T_COOL, migrate=False)
+    affinity = make_router("affinity", t_hot_tokens=T_HOT, t_cool_s=T_COOL)
     assert affinity.choose(request(host="i0"), endpoints(T_HOT * 10, 0)).instance_id == "i0"
     assert affinity.choose(request(host="i0"), endpoints(0, 0, full=[True, False])) is None
     assert affinity.choose(request(), endpoints(T_HOT * 10, 0)).instance_id == "i1"

@@ -9,10 +9,7 @@ prefix-cache scorer over its load scorer).
 
 from __future__ import annotations
 
-import random
-
-from routing.plugins.least_load import INFLIGHT_WEIGHT, least_inflight, least_pending_prefill
-from routing.scheduler import Endpoint, RoutingRequest, Scheduler, Weighted, has_room
+from routing.scheduler import Endpoint, RoutingRequest
 
 
 def prefix_hit(request: RoutingRequest, endpoints: list[Endpoint]) -> list[float]:
@@ -20,9 +17,3 @@ def prefix_hit(request: RoutingRequest, endpoints: list[Endpoint]) -> list[float
     if request.prompt_tokens <= 0:
         return [0.0] * len(endpoints)
     return [min(1.0, e.cached_tokens / request.prompt_tokens) for e in endpoints]
-
-
-def build(rng: random.Random, kv_weight: float, load_weight: float) -> Scheduler:
-    return Scheduler("kv-aware", [has_room], [Weighted(prefix_hit, kv_weight), Weighted(least_pending_prefill, load_weight),
-                                              Weighted(least_inflight, INFLIGHT_WEIGHT)], rng,
-                     reads_cache=True)

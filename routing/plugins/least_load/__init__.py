@@ -9,9 +9,7 @@ break ties, so decode-only load still spreads.
 
 from __future__ import annotations
 
-import random
-
-from routing.scheduler import Endpoint, RoutingRequest, Scheduler, Weighted, fewest, has_room
+from routing.scheduler import Endpoint, RoutingRequest, fewest
 
 INFLIGHT_WEIGHT = 0.01
 """Small beside the prefill score: it only orders instances whose pending prefill is equal."""
@@ -23,10 +21,3 @@ def least_pending_prefill(_: RoutingRequest, endpoints: list[Endpoint]) -> list[
 
 def least_inflight(_: RoutingRequest, endpoints: list[Endpoint]) -> list[float]:
     return fewest([e.inflight for e in endpoints])
-
-
-LOAD_SCORERS = (Weighted(least_pending_prefill, 1.0), Weighted(least_inflight, INFLIGHT_WEIGHT))
-
-
-def build(rng: random.Random) -> Scheduler:
-    return Scheduler("least-load", [has_room], LOAD_SCORERS, rng)

@@ -1,11 +1,9 @@
-import random
 
-from routing.plugins.testing import endpoints, request
-from routing.plugins.least_load import build
+from routing.plugins.testing import endpoints, make_router, request
 
 
 def test_the_fewest_pending_prefill_tokens_wins_and_requests_in_flight_break_a_tie():
-    router = build(random.Random(0))
+    router = make_router("least-load")
     assert router.choose(request(), endpoints(5000, 200, 3000)).instance_id == "i1"
     assert router.choose(request(), endpoints(0, 0, 0, inflight=[3, 1, 2])).instance_id == "i1"
     # A session is not bound: its next turn goes wherever the load is least.
@@ -14,5 +12,5 @@ def test_the_fewest_pending_prefill_tokens_wins_and_requests_in_flight_break_a_t
 
 
 def test_a_full_instance_is_passed_over_however_idle():
-    router = build(random.Random(0))
+    router = make_router("least-load")
     assert router.choose(request(), endpoints(0, 4000, full=[True, False])).instance_id == "i1"

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import random
-
-from routing.scheduler import Endpoint, RoutingRequest, Scheduler, Weighted, has_room
+from routing.scheduler import Endpoint, RoutingRequest
 
 
 class NextInTurn:
@@ -18,7 +16,3 @@ class NextInTurn:
         following = next((i for i in ids if self.last is None or i > self.last), ids[0])
         self.last = following
         return [1.0 if e.instance_id == following else 0.0 for e in endpoints]
-
-
-def build(rng: random.Random) -> Scheduler:
-    return Scheduler("round-robin", [has_room], [Weighted(NextInTurn(), 1.0)], rng)

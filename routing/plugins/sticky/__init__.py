@@ -10,9 +10,8 @@ it, as hard pinning does.
 from __future__ import annotations
 
 import hashlib
-import random
 
-from routing.scheduler import Endpoint, RoutingRequest, Scheduler, has_room
+from routing.scheduler import Endpoint, RoutingRequest
 
 
 def rank(session_id: str, instance_id: str) -> int:
@@ -23,7 +22,3 @@ def rank(session_id: str, instance_id: str) -> int:
 def session_hash(request: RoutingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
     """Only the instance the session's hash ranks first among all the candidates."""
     return [max(endpoints, key=lambda e: rank(request.session.session_id, e.instance_id))]
-
-
-def build(rng: random.Random) -> Scheduler:
-    return Scheduler("sticky", [session_hash, has_room], [], rng, per_session=True)

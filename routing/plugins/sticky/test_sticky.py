@@ -1,11 +1,9 @@
-import random
 
-from routing.plugins.testing import endpoints, request
-from routing.plugins.sticky import build
+from routing.plugins.testing import endpoints, make_router, request
 
 
 def test_a_session_always_lands_on_its_hashed_instance_whatever_the_load_or_order():
-    router = build(random.Random(0))
+    router = make_router("sticky")
     pool = endpoints(0, 0, 0, 0, 0, 0, 0, 0)
     home = {s: router.choose(request(session=s), pool).instance_id for s in map(str, range(200))}
     assert len(set(home.values())) == 8  # the sessions spread over every instance
@@ -14,7 +12,7 @@ def test_a_session_always_lands_on_its_hashed_instance_whatever_the_load_or_orde
 
 
 def test_an_instance_leaving_moves_only_its_own_sessions_and_a_full_one_makes_them_wait():
-    router = build(random.Random(0))
+    router = make_router("sticky")
     pool = endpoints(0, 0, 0, 0)
     home = {s: router.choose(request(session=s), pool).instance_id for s in map(str, range(100))}
     fewer = [e for e in pool if e.instance_id != "i2"]
