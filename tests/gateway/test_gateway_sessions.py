@@ -75,7 +75,9 @@ async def test_a_session_is_bound_once_and_every_later_turn_follows_it_without_w
             assert response.status_code == 200, response.text
             hosts.add(response.headers["x-modelpool-instance"])
         assert len(hosts) == 1
-        assert await session_events(store, "s1") == ["SessionBound"]  # one write, for the first request only
+        # One write, for the first request only (written behind the request: awaited, then checked once more).
+        await eventually(lambda: events_are(store, "s1", ["SessionBound"]), timeout=10)
+        assert await session_events(store, "s1") == ["SessionBound"]
 
         # Without a header: the OpenAI `user` field, else the system prompt and first user turn.
         for later in ("", " and more"):
