@@ -31,8 +31,8 @@ async def test_the_lab_takes_the_pools_path_at_the_pools_times_with_its_latencie
     assert [s["pool"] for s in result["switches"]][:2] == ["COLD->FAST_ONLY", "FAST_ONLY->WARMING_VLLM"]
     assert all(abs(s["gap_s"]) <= 5.0 for s in result["switches"]), result["switches"]
     # The pool is real processes sharing two cores with the test, the lab virtual time: on a slower host the pool's
-    # e2e p90 runs further above the lab's (0.34-0.353 over it in three runs on 2026-11-26, the code of the day
-    # before measuring the same), hence the margin. Sharing the gateway's cores with the lab will narrow it.
+    # e2e p90 runs further above the lab's (0.34-0.353 over it in three runs on 2026-11-26, the version before,
+    # 794ccd0, measuring the same), hence the margin; the lab running the gateway's own admission should narrow it.
     for q in ("p50", "p90"):
         e2e = result["e2e"][q]
         assert abs(e2e["lab"] / e2e["pool"] - 1) < 0.4, result["e2e"]
