@@ -72,16 +72,31 @@ def _one_choice(body: ChatCompletionRequest | CompletionRequest) -> None:
                           param="n", code="unsupported_parameter")
 
 
-async def _next_event(queue: asyncio.Queue[EngineEvent], disconnected: asyncio.Future[None]) -> EngineEvent | None:
-    """The request's next engine event, or None when the client went away first."""
-    if not queue.empty():
-        return queue.get_nowait()
-    getter = asyncio.ensure_future(queue.get())
-    await asyncio.wait({getter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-    if getter.done():
-        return getter.result()
-    getter.cancel()
-    return None
+class _Answer:
+    """An admitted request's engine events as they come, until it finishes or its client leaves."""
+
+    def __init__(self, engine: Any, request_id: int, queue: asyncio.Queue[EngineEvent], receive: Receive) -> None:
+        self.engine, self.request_id, self.queue = engine, request_id, queue
+        self.disconnected = asyncio.ensure_future(client_gone(receive))
+        self.finished = False
+        """The engine is done with the request (nothing to cancel)."""
+
+    async def next(self) -> EngineEvent | None:
+        """The next engine event, or None when the client went away first."""
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        getter = asyncio.ensure_future(self.queue.get())
+        await asyncio.wait({getter, self.disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        getter.cancel()
+        return None
+
+    def close(self) -> None:
+        """Stop watching the client; cancel the request in the engine unless it finished."""
+        self.disconnected.cancel()
+        if not self.finished:
+            self.engine.cancel(self.request_id)
 
 
 class _SSEStream:
@@ -253,116 +268,118 @@ class EngineAPI:
         return backend.tokenize(text, add_special=add_special, parse_special=True)
 
     async def _serve(self, request: Request, model: type[BaseModel], build_prompt: Callable[[Any], list[int]], *, chat: bool) -> Response:
+        """Admit the request, wait for its first event (so a request that fails before it gets its status), then
+        answer it streamed or whole."""
         try:
-            try:
-                payload = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise bad_request(f"the request body is not valid JSON: {exc}") from exc
-            if not isinstance(payload, dict):
-                raise bad_request("the request body must be a JSON object")
-            try:
-                body = model.model_validate(payload)
-            except ValidationError as exc:
-                raise validation_error(exc) from exc
-            if body.model != self.model_alias:  # type: ignore[attr-defined]
-                raise not_found_model(body.model)  # type: ignore[attr-defined]
-            if not self.engine.ready:
-                raise service_unavailable("model is loading", code="loading")
-            prompt = build_prompt(body)
-            s = self.engine.settings
-            try:
-                max_tokens = effective_max_tokens(
-                    len(prompt),
-                    body.output_limit(),  # type: ignore[attr-defined]
-                    max_input=s.max_input_tokens,
-                    max_output=s.max_output_tokens,
-                    ctx_per_seq=self.engine.backend.n_ctx_seq,  # type: ignore[union-attr]
-                )
-            except LengthLimitExceeded as exc:
-                raise bad_request(str(exc), param=exc.param if chat or exc.param != "messages" else "prompt", code="context_length_exceeded") from exc
-            sampling = SamplingParams(
-                temperature=1.0 if body.temperature is None else body.temperature,  # type: ignore[attr-defined]
-                top_p=1.0 if body.top_p is None else body.top_p,  # type: ignore[attr-defined]
-                top_k=0 if not body.top_k or body.top_k < 0 else body.top_k,  # type: ignore[attr-defined]
-                min_p=body.min_p or 0.0,  # type: ignore[attr-defined]
-                seed=body.seed,  # type: ignore[attr-defined]
-                max_tokens=max_tokens,
-                stop=tuple(body.stop_list()),  # type: ignore[attr-defined]
-                logit_bias=self._logit_bias(body),
-                presence_penalty=body.presence_penalty,  # type: ignore[attr-defined]
-                frequency_penalty=body.frequency_penalty,  # type: ignore[attr-defined]
-            )
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
-
-            def sink(event: EngineEvent) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-
-            try:
-                request_id = self.engine.submit(prompt, sampling, sink, reuse_prefix=self._cache_prompt(body))
-            except QueueFull as exc:
-                raise too_many_requests(str(exc), exc.retry_after_s) from exc
+            body, prompt, request_id, queue = await self._admit(request, model, build_prompt, chat=chat)
         except APIError as err:
             return error_response(err)
-
-        disconnected = asyncio.ensure_future(client_gone(request.receive))
-        finished = False
-
-        def close() -> None:
-            disconnected.cancel()
-            if not finished:
-                self.engine.cancel(request_id)
-
-        # Headers wait for the first event, so a request that times out or fails
-        # before its first token still gets its proper status code.
-        first = await _next_event(queue, disconnected)
+        answer = _Answer(self.engine, request_id, queue, request.receive)
+        first = await answer.next()
         if first is None:
-            close()
+            answer.close()
             return Response(status_code=499)
         if isinstance(first, FinishEvent) and first.state != RequestState.COMPLETED:
-            finished = True
-            close()
+            answer.finished = True
+            answer.close()
             return error_response(self._finish_error(first))
-        response_id = new_id("chatcmpl" if chat else "cmpl")
-        created = int(time.time())
-        if body.stream:  # type: ignore[attr-defined]
+        response_id, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+        if body.stream:
+            return _SSEStream(self._chunks(answer, first, body, response_id, created, chat=chat), answer.close,
+                              request_id)  # type: ignore[return-value]
+        return await self._whole(answer, first, body, prompt, response_id, created, chat=chat)
 
-            async def chunks() -> AsyncIterator[bytes]:
-                nonlocal finished
-                render = self._chat_chunk if chat else self._completion_chunk
-                if chat:
-                    yield sse(self._chat_chunk(response_id, created, ChatDelta(role="assistant", content=""), None))
-                event: EngineEvent | None = first
-                while event is not None:
-                    if isinstance(event, TokenEvent):
-                        if event.text:
-                            yield sse(render(response_id, created, event.text, None))
-                    else:
-                        finished = True
-                        if event.state != RequestState.COMPLETED:
-                            yield sse(self._finish_error(event).to_dict())
-                            break
-                        yield sse(render(response_id, created, event.text, event.finish_reason))
-                        if body.include_usage_in_stream():  # type: ignore[attr-defined]
-                            usage = Usage.of(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
-                            yield sse(self._usage_chunk(response_id, created, usage, chat))
-                        break
-                    event = await _next_event(queue, disconnected)
-                if finished:
-                    yield SSE_DONE
+    async def _admit(self, request: Request, model: type[BaseModel], build_prompt: Callable[[Any], list[int]], *,
+                     chat: bool) -> tuple[Any, list[int], int, asyncio.Queue[EngineEvent]]:
+        """Parse and check the request, and submit it to the engine: (body, prompt, request id, its events)."""
+        try:
+            payload = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+        if not isinstance(payload, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            body: Any = model.model_validate(payload)
+        except ValidationError as exc:
+            raise validation_error(exc) from exc
+        if body.model != self.model_alias:
+            raise not_found_model(body.model)
+        if not self.engine.ready:
+            raise service_unavailable("model is loading", code="loading")
+        prompt = build_prompt(body)
+        s = self.engine.settings
+        try:
+            max_tokens = effective_max_tokens(
+                len(prompt),
+                body.output_limit(),
+                max_input=s.max_input_tokens,
+                max_output=s.max_output_tokens,
+                ctx_per_seq=self.engine.backend.n_ctx_seq,  # type: ignore[union-attr]
+            )
+        except LengthLimitExceeded as exc:
+            raise bad_request(str(exc), param=exc.param if chat or exc.param != "messages" else "prompt", code="context_length_exceeded") from exc
+        sampling = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if not body.top_k or body.top_k < 0 else body.top_k,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            stop=tuple(body.stop_list()),
+            logit_bias=self._logit_bias(body),
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+        )
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
 
-            return _SSEStream(chunks(), close, request_id)  # type: ignore[return-value]
+        def sink(event: EngineEvent) -> None:  # called on the engine's thread
+            loop.call_soon_threadsafe(queue.put_nowait, event)
 
+        try:
+            request_id = self.engine.submit(prompt, sampling, sink, reuse_prefix=self._cache_prompt(body))
+        except QueueFull as exc:
+            raise too_many_requests(str(exc), exc.retry_after_s) from exc
+        return body, prompt, request_id, queue
+
+    async def _chunks(self, answer: _Answer, first: EngineEvent, body: Any, response_id: str, created: int, *,
+                      chat: bool) -> AsyncIterator[bytes]:
+        """The streamed answer's SSE events, from the first engine event to `[DONE]` (none if the client left)."""
+        render = self._chat_chunk if chat else self._completion_chunk
+        if chat:
+            yield sse(self._chat_chunk(response_id, created, ChatDelta(role="assistant", content=""), None))
+        event: EngineEvent | None = first
+        while event is not None:
+            if isinstance(event, TokenEvent):
+                if event.text:
+                    yield sse(render(response_id, created, event.text, None))
+            else:
+                answer.finished = True
+                if event.state != RequestState.COMPLETED:
+                    yield sse(self._finish_error(event).to_dict())
+                    break
+                yield sse(render(response_id, created, event.text, event.finish_reason))
+                if body.include_usage_in_stream():
+                    usage = Usage.of(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+                    yield sse(self._usage_chunk(response_id, created, usage, chat))
+                break
+            event = await answer.next()
+        if answer.finished:
+            yield SSE_DONE
+
+    async def _whole(self, answer: _Answer, first: EngineEvent, body: Any, prompt: list[int], response_id: str,
+                     created: int, *, chat: bool) -> Response:
+        """The answer in one JSON body, once the engine finished it (499 if the client left first)."""
         parts: list[str] = []
-        event = first
+        event: EngineEvent | None = first
         while not isinstance(event, FinishEvent):
             if event is None:
-                close()
+                answer.close()
                 return Response(status_code=499)
             parts.append(event.text)
-            event = await _next_event(queue, disconnected)
-        finished = True
-        close()
+            event = await answer.next()
+        answer.finished = True
+        answer.close()
         if event.state != RequestState.COMPLETED:
             return error_response(self._finish_error(event))
         parts.append(event.text)
@@ -379,7 +396,7 @@ class EngineAPI:
                 system_fingerprint=ENGINE_NAME,
             )
         else:
-            if body.echo:  # type: ignore[attr-defined]
+            if body.echo:
                 text = self.engine.backend.detokenize(prompt) + text  # type: ignore[union-attr]
             out = CompletionResponse(
                 id=response_id,
@@ -392,7 +409,7 @@ class EngineAPI:
         return Response(
             out.model_dump_json(exclude_none=True),
             media_type="application/json",
-            headers={REQUEST_ID_HEADER: str(request_id)},
+            headers={REQUEST_ID_HEADER: str(answer.request_id)},
         )
 
     def _finish_error(self, event: FinishEvent) -> APIError:
