@@ -95,6 +95,14 @@ def spawn(
     )
 
 
+async def spawn_async(argv: Sequence[str], *, output: IO[bytes] | int | None, env: dict[str, str] | None = None,
+                      death_signal: int | None = signal.SIGTERM) -> asyncio.subprocess.Process:
+    """`spawn` for asyncio callers (a worker's engines): the same session and the same tie to our life."""
+    return await asyncio.create_subprocess_exec(
+        *argv, env=env, start_new_session=True, preexec_fn=tied_to_us(None, death_signal, os.getpid()),
+        stdin=asyncio.subprocess.DEVNULL, stdout=output, stderr=asyncio.subprocess.STDOUT)
+
+
 def descendants_of(pid: int) -> list[int]:
     """Every live descendant of `pid`, found by walking /proc parent links."""
     parents: dict[int, int] = {}
@@ -206,11 +214,3 @@ def processes_with_marker(marker: str) -> list[int]:
         except OSError:
             continue
     return found
-
-
-async def spawn_async(argv: Sequence[str], *, output: IO[bytes] | int | None, env: dict[str, str] | None = None,
-                      death_signal: int | None = signal.SIGTERM) -> asyncio.subprocess.Process:
-    """`spawn` for asyncio callers (a worker's engines): the same session and the same tie to our life."""
-    return await asyncio.create_subprocess_exec(
-        *argv, env=env, start_new_session=True, preexec_fn=tied_to_us(None, death_signal, os.getpid()),
-        stdin=asyncio.subprocess.DEVNULL, stdout=output, stderr=asyncio.subprocess.STDOUT)

@@ -50,8 +50,8 @@ def test_children_die_with_their_parent_even_when_it_is_killed(tmp_path):
 def test_a_stop_takes_the_whole_tree_even_from_a_child_that_ignores_sigterm(tmp_path):
     stubborn = "import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
                "subprocess.Popen(['sleep', '60']); print('up', flush=True); time.sleep(60)"
-    log = open(tmp_path / "out.log", "wb")
-    proc = spawn([sys.executable, "-c", stubborn], output=log, death_signal=None)
+    with open(tmp_path / "out.log", "wb") as log:
+        proc = spawn([sys.executable, "-c", stubborn], output=log, death_signal=None)
     assert wait_for(lambda: (tmp_path / "out.log").read_text().strip() == "up")
     grandchildren = descendants_of(proc.pid)
     assert grandchildren
@@ -59,7 +59,6 @@ def test_a_stop_takes_the_whole_tree_even_from_a_child_that_ignores_sigterm(tmp_
     stop_process(proc, first_signal=signal.SIGTERM, grace_s=0.5)
     assert proc.returncode == -signal.SIGKILL and time.monotonic() - started < 10
     assert not any(is_alive(pid) for pid in grandchildren)
-    log.close()
 
 
 def test_a_child_whose_parent_died_before_it_could_be_tied_to_it_ends_itself():

@@ -239,7 +239,7 @@ class Sessions:
         """The session's binding as its stream has it now, or None if released."""
         events = await self.store.read_stream(stream_of(session_id))
         last = events[-1] if events else None
-        match self.store.fact(last) if last is not None else None:
+        match self.store.fact(last):
             case SessionBound(alias=alias, instance_id=host):
                 moved = None
             case SessionMigrated(alias=alias, to_instance_id=host):

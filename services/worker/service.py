@@ -138,7 +138,7 @@ class Worker:
                 return
             try:
                 last = await self.store.last_of(f"worker:{self.worker_id}")
-                gone = self.store.fact(last) if last is not None else None
+                gone = self.store.fact(last)
                 if isinstance(gone, (WorkerLost, WorkerDeregistered)):
                     log.warning("the log says this worker is %s (%s); registering again",
                                 "lost" if isinstance(gone, WorkerLost) else "deregistered", gone.reason)
@@ -155,7 +155,7 @@ class Worker:
         for inst in list(self.instances.values()):
             async with self._lock(inst.instance_id):
                 last = await self.store.last_of(f"instance:{inst.instance_id}")
-                moved = self.store.fact(last) if last is not None else None
+                moved = self.store.fact(last)
                 if not isinstance(moved, InstanceStateChanged):
                     continue
                 recorded = moved.to_state

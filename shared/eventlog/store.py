@@ -180,9 +180,11 @@ class EventStore(ABC):
         batches, for the read models; `types` limits the read to the types the caller folds. Types this code
         does not know (written by a newer release) are skipped."""
 
-    def fact(self, envelope: Envelope) -> Event | None:
-        """A read envelope's typed fact, decoded as the read models decode it; None for a type this code does
-        not know."""
+    def fact(self, envelope: Envelope | None) -> Event | None:
+        """A read envelope's typed fact, decoded as the read models decode it; None for no envelope (an empty
+        stream's last event) or a type this code does not know."""
+        if envelope is None:
+            return None
         decode = self._decoder(envelope.type, envelope.version)
         return decode(envelope.payload) if decode is not None else None
 
