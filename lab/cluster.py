@@ -6,11 +6,12 @@ Everything that decides is the pool's own code, imported, never copied:
   window, held demand, start failures), its commands applied with the tiers'
   delays (a start takes `startup_s`, a wake `wake_l1_s`/`wake_l2_s`, a drain
   waits for the instance's requests);
-- placement: `services.placement.scoring.place` over the simulated workers;
+- placement: `policy.placement.place` over the simulated workers;
 - the gateway: `routing.backends.backend_order` picks the backend by routing
   state and mix weight, the alias's router plugin (`routing.registry`) picks
-  the instance; a request that finds no room waits in a bounded FIFO queue
-  (`queue_size`, `queue_timeout_s`) as the gateway's admission does.
+  the instance; a request that finds no room waits in the gateway's own
+  admission queue (`routing.queue`: `queue_size`, `queue_timeout_s`), sessions
+  and all.
 
 What is modelled rather than run: each instance is `lab.instance.LabInstance`
 (seed 002's batch timing at event level), and in a disaggregated alias a
@@ -33,6 +34,7 @@ from lab.instance import LabInstance, TierModel
 from lab.record import RunRecord, Transition, WindowRecord
 from policy import decide
 from routing.backends import backend_order, taking_new
+from routing.queue import AdmissionQueue, AdmissionQueueFull
 from routing.registry import build_scheduler
 from routing.scheduler import Endpoint, RoutingRequest, SessionState
 from policy.placement import Placed, PlacementRequest, WorkerView, place
@@ -174,7 +176,7 @@ class Cluster:
         # The cluster.
         self.instances: dict[str, LabInstance] = {}
         self.workers = {f"w{k:02}": [] for k in range(lab.workers)}  # worker -> instance ids
-        self.queue: deque[LabRequest] = deque()
+        self.queue: AdmissionQueue[LabRequest, bool] = AdmissionQueue(alias.alias, lab.queue_size)
         self.sessions: dict[str, SessionState] = {}
         self.events: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -247,9 +249,9 @@ class Cluster:
                 if self._active(i, n, t, end_of_trace):
                     self._push(t + self.lab.tick_s, TICK, None)
         self._level(max(self._level_at, end_of_trace))
-        for r in self.queue:
+        for r in list(self.queue.waiting):
+            self.queue.leave(r)
             self._lose(r, "unanswered at the end of the run", self._level_at)
-        self.queue.clear()
 
     def _active(self, i: int, n: int, t: float, end_of_trace: float) -> bool:
         """Ticks and windows go on while requests are due or in flight, then `drain_s` longer for scale-down."""
@@ -289,11 +291,10 @@ class Cluster:
         self.context[r.session_id] = prompt + r.output_tokens
         req = LabRequest(r.session_id, now, prompt, r.output_tokens, queued_at=now)
         self.window.arrivals += 1
-        if self.queue or not self._route(req, now):
-            if len(self.queue) >= self.lab.queue_size:
-                self._lose(req, "queue full (429)", now)
-                return
-            self.queue.append(req)
+        try:
+            self.queue.admit(req, now, self._taker(now), self.scheduler.per_session)
+        except AdmissionQueueFull:
+            self._lose(req, "queue full (429)", now)
 
     def _serving_by(self) -> dict[tuple[BackendType, Role | None], list[LabInstance]]:
         if self._serving is None:
@@ -375,8 +376,8 @@ class Cluster:
             if inst.role is Role.PREFILL:  # prefilled: on to a decode instance, KV handed over
                 req.decoding = True
                 req.queued_at = now
-                if self.queue or not self._route(req, now):
-                    self.queue.appendleft(req)  # it was admitted once: it does not queue behind new arrivals
+                # It was admitted once: it does not queue behind new arrivals.
+                self.queue.admit(req, now, self._taker(now), self.scheduler.per_session, readmitted=True)
                 continue
             inst.remember(req.session, req.prompt_tokens + req.output_tokens)
             self._answer(req, now, inst.backend)
@@ -413,19 +414,17 @@ class Cluster:
         self.later.pop(req.session, None)  # the agent gives up on its session
 
     def _pump(self, now: float) -> None:
-        """Slots freed or instances came up: the head of the queue first, in order."""
+        """Slots freed or instances came up: requests past their queue timeout leave, the rest go head first."""
         timeout = self.lab.queue_timeout_s
-        while self.queue:
-            head = self.queue[0]
-            if now - head.queued_at > timeout:
-                self.queue.popleft()
-                self._level(now)
-                self._lose(head, "queue timeout (408)", now)
-                continue
-            self._level(now)
-            if not self._route(head, now):
-                return
-            self.queue.popleft()
+        self._level(now)
+        for req in [r for r in self.queue.waiting if now - r.queued_at > timeout]:
+            self.queue.leave(req)
+            self._lose(req, "queue timeout (408)", now)
+        self.queue.pump(now, self._taker(now), self.scheduler.per_session)
+
+    def _taker(self, now: float) -> Callable[[LabRequest], bool | None]:
+        """The queue's scheduler: places a request (True) if an instance may take it now."""
+        return lambda req: self._route(req, now) or None
 
     # ------------------------------------------------------------------ instances
 
@@ -481,7 +480,7 @@ class Cluster:
             self._memory_changed(now, -inst.memory_gb())
             for _, _, job in inst.jobs:  # a cancelled start or a forced delete: its requests go back to the queue
                 self._inflight[inst.backend] -= 1
-                self.queue.appendleft(job.request)  # type: ignore[arg-type]
+                self.queue.requeue(job.request)  # type: ignore[arg-type]
             inst.jobs.clear()
             inst.version += 1
             del self.instances[inst.instance_id]

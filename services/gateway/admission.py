@@ -1,11 +1,18 @@
-"""Admission: each request gets a slot on an instance, or waits for one in its alias's queue, in order.
+"""Admission: the one owner of every slot a request holds, from its first placement to its retries.
 
 An instance takes at most its reported capacity of requests (`Router.take`).
-A request that finds no room waits in a bounded FIFO queue per alias (seed 003's
-RequestQueue: 256 deep, 60 s); a slot that frees, or an instance that comes up,
-goes to the head of the queue at once (`pump`), never to a request that arrived
-later. A full queue refuses with 429 and a `Retry-After` worked out from how
-fast the queue has been draining.
+A request that finds no room waits in its alias's queue (`routing/queue.py`:
+a bounded FIFO, seed 003's RequestQueue, 256 deep); a slot that frees, or an
+instance that comes up, goes to the head of the queue at once (`pump`). A full
+queue refuses with 429 and a `Retry-After` worked out from how fast the queue
+has been draining.
+
+How long a request waits depends on what it waits for (`place`): a slot on a
+running instance (the queue timeout, then 408) or an instance to start at all
+(the alias's start budget from `starts.py`, then 503, with the stream's headers
+sent at once and keep-alives while it waits). A request sent again after a
+failure (`move`) gives its slot back here and takes another of the same
+backend, so no slot changes hands anywhere else.
 
 A queue whose alias has nothing routable at all is a cold start: while any
 request waits the gateway sends a `DemandSignal` at once and every second, so
@@ -19,25 +26,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from services.gateway.meter import Meter
+from routing.queue import AdmissionQueue, AdmissionQueueFull
+from services.gateway.client_stream import ClientStream
+from services.gateway.context import Refused, RequestContext
+from services.gateway.meter import Meter, RequestOutcome
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import NO_PROMPT, Ask, Router, Slot
 from shared.contracts.messages import utcnow
 from shared.contracts.telemetry import DemandSignal
 from shared.faults import Outage
+from shared.openai_protocol import APIError, request_timeout, too_many_requests
 
 log = logging.getLogger(__name__)
 
 DEMAND_INTERVAL_S = 1.0
-DRAIN_SAMPLES = 64
-"""Recent departures from a queue its drain rate is measured over."""
-DRAIN_MEMORY_S = 30.0
-"""Departures older than this say nothing about how fast the queue drains now."""
+RETRY_AFTER_S = 2
+"""Told to a client whose hold expired; a retry is held again, so a short wait loses nothing."""
 
 
 @dataclass(eq=False, slots=True)
@@ -55,19 +62,18 @@ class Waiter:
 @dataclass(eq=False)
 class AliasQueue:
     alias: str
-    waiters: deque[Waiter] = field(default_factory=deque)
-    departures: deque[float] = field(default_factory=lambda: deque(maxlen=DRAIN_SAMPLES))
-    """When recent waiters got their slot (monotonic seconds)."""
+    queue: AdmissionQueue[Waiter, Slot]
     cold: bool = False
     """Requests waited while nothing of the alias was routable: the next slot granted ends a cold start."""
-    signaller: asyncio.Task[None] | None = None
+    signaller: asyncio.Task[None] | None = field(default=None)
     """Sends the alias's demand signals while any of its requests waits."""
 
 
-class AliasQueueFull(Exception):
-    def __init__(self, alias: str, waiting: int, retry_after_s: float) -> None:
-        super().__init__(f"{waiting} requests of `{alias}` are already waiting")
-        self.retry_after_s = retry_after_s
+def alias_starting(alias: str, waited_s: float) -> APIError:
+    return APIError(
+        503, f"alias `{alias}` is starting: no instance was ready after {waited_s:.0f} s; retry shortly",
+        type="service_unavailable_error", code="alias_starting", headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 class Admission:
@@ -75,7 +81,8 @@ class Admission:
 
     def __init__(self, router: Router, meter: Meter, metrics: GatewayMetrics,
                  publish_demand: Callable[[DemandSignal], Awaitable[None]], gateway_id: str, queue_size: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], queue_timeout_s: float = 60.0,
+                 start_budget_s: Callable[[str], float] = lambda alias: 60.0, keepalive_s: float = 10.0) -> None:
         self.router = router
         self.meter = meter
         self.metrics = metrics
@@ -83,22 +90,89 @@ class Admission:
         self.gateway_id = gateway_id
         self.queue_size = queue_size
         self.clock = clock
+        self.queue_timeout_s = queue_timeout_s
+        self.start_budget_s = start_budget_s
+        self.keepalive_s = keepalive_s
         self.queues: dict[str, AliasQueue] = {}
 
+    # ------------------------------------------------------------------ the stage
+
+    async def place(self, ctx: RequestContext, client: ClientStream) -> Slot:
+        """Give the request a slot, at once or after waiting for one; `Refused` when it cannot have one."""
+        try:
+            admitted = self.admit(ctx.alias, ctx.ask)
+        except AdmissionQueueFull as full:
+            raise Refused(too_many_requests(
+                f"{full}; the queue of `{ctx.alias}` is full, retry after {full.retry_after_s:.0f} s",
+                full.retry_after_s), RequestOutcome.QUEUE_FULL) from None
+        ctx.slot = admitted if isinstance(admitted, Slot) else await self._hold(ctx, client, admitted)
+        return ctx.slot
+
+    async def move(self, ctx: RequestContext, client: ClientStream, *, wait: bool) -> Slot | None:
+        """Move the request off its slot's instance, which failed it, to another of the same backend: one with
+        room now or (with `wait`) the first to have room; None, keeping the slot, when there is no other."""
+        failed = ctx.slot
+        assert failed is not None
+        ask = replace(ctx.ask, backend=failed.backend, avoid=ctx.ask.avoid | {failed.instance_id})
+        if not self.router.has_other(ctx.alias, failed.backend, ask.avoid):
+            return None
+        other = self.router.take(ctx.alias, ask)  # sent once already: it does not queue behind new arrivals
+        if other is None and not wait:
+            return None
+        ctx.ask = ask
+        self.release(ctx)
+        if other is None:
+            return await self.place(ctx, client)
+        ctx.slot = other
+        return other
+
+    def release(self, ctx: RequestContext) -> None:
+        """The request is done with its slot: the next waiter of the alias takes it at once."""
+        slot, ctx.slot = ctx.slot, None
+        if slot is not None:
+            self.give_back(slot)
+
+    async def _hold(self, ctx: RequestContext, client: ClientStream, waiter: Waiter) -> Slot:
+        """Wait in the alias's queue for a slot; `Refused` when the wait's budget runs out first."""
+        outcome = "left"
+        try:
+            while True:
+                routable = self.router.routable(ctx.alias)
+                if not routable:
+                    await client.hold()
+                budget = self.queue_timeout_s if routable else self.start_budget_s(ctx.alias)
+                deadline = waiter.entered + budget
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    if routable:
+                        outcome = "timeout"
+                        raise Refused(request_timeout(
+                            f"no slot on an instance of `{ctx.alias}` freed within {budget:g} s (queue timeout); "
+                            "retry later"), RequestOutcome.QUEUE_TIMEOUT)
+                    outcome = "expired"
+                    raise Refused(alias_starting(ctx.alias, self.clock() - ctx.trace.arrived),
+                                  RequestOutcome.HOLD_EXPIRED)
+                # Woken early by a slot; otherwise at the deadline or the next keep-alive, to look again.
+                slot = await self.wait(waiter, min(remaining, self.keepalive_s))
+                if slot is not None:
+                    outcome = "served"
+                    return slot
+                if self.clock() < deadline:
+                    await client.keepalive()
+        finally:
+            self.leave(waiter, outcome)
+
+    # ------------------------------------------------------------------ the queues
+
     def admit(self, alias: str, ask: Ask = NO_PROMPT) -> Slot | Waiter:
-        """A slot now, or a place at the end of the alias's queue; `AliasQueueFull` when the queue is full."""
+        """A slot now, or a place at the end of the alias's queue; `AdmissionQueueFull` when the queue is full."""
         queue = self.queues.get(alias)
-        # Nobody waits ahead of this request, or those who do wait for their session's instance only.
-        if queue is None or not queue.waiters or self.router.scheduler(alias).per_session:
-            slot = self.router.take(alias, ask)
-            if slot is not None:
-                return slot
         if queue is None:
-            queue = self.queues[alias] = AliasQueue(alias)
-        if len(queue.waiters) >= self.queue_size:
-            raise AliasQueueFull(alias, len(queue.waiters), self.retry_after_s(queue))
+            queue = self.queues[alias] = AliasQueue(alias, AdmissionQueue(alias, self.queue_size))
         waiter = Waiter(alias, ask, self.clock(), asyncio.get_running_loop().create_future())
-        queue.waiters.append(waiter)
+        slot = queue.queue.admit(waiter, waiter.entered, self._take(alias), self._per_session(alias))
+        if slot is not None:
+            return slot
         self.meter.of(alias).add_held(1)
         self._note_cold(queue)
         return waiter
@@ -117,19 +191,18 @@ class Admission:
         """The waiter is done waiting, served or not; a slot granted and never claimed is given back."""
         queue = self.queues.get(waiter.alias)
         if queue is not None and not waiter.granted.done():
-            with contextlib.suppress(ValueError):
-                queue.waiters.remove(waiter)
+            queue.queue.leave(waiter)
         self.meter.of(waiter.alias).add_held(-1)
         self.metrics.waited(waiter.alias, outcome, self.clock() - waiter.entered)
         if waiter.granted.done() and not waiter.claimed:
-            self.release(waiter.granted.result())
+            self.give_back(waiter.granted.result())
         elif not waiter.granted.done():
             waiter.granted.cancel()
-        if queue is not None and not queue.waiters:
+        if queue is not None and not queue.queue:
             self._close(queue)
 
-    def release(self, slot: Slot) -> None:
-        """A request is done with its slot: the next waiter of the alias takes it at once."""
+    def give_back(self, slot: Slot) -> None:
+        """A slot is free again: the next waiter of the alias takes it at once."""
         self.router.release(slot)
         self.pump(slot.instance.alias)
 
@@ -138,25 +211,12 @@ class Admission:
             self.pump(alias)
 
     def pump(self, alias: str) -> None:
-        """Hand free slots to the alias's waiters, head first, for as long as there are both.
-
-        Where a request may go depends on its session (sticky, affinity, EAR), a
-        waiter whose instance is full does not hold back those behind it that may
-        go elsewhere: each instance still serves its own waiters in arrival order.
-        """
+        """Hand free slots to the alias's waiters, head first, for as long as there are both."""
         queue = self.queues.get(alias)
         if queue is None:
             return
-        per_session = self.router.scheduler(alias).per_session
-        for waiter in list(queue.waiters):
-            slot = self.router.take(alias, waiter.ask)
-            if slot is None:
-                if per_session:
-                    continue
-                break
-            queue.waiters.remove(waiter)
+        for waiter, slot in queue.queue.pump(self.clock(), self._take(alias), self._per_session(alias)):
             waiter.granted.set_result(slot)
-            queue.departures.append(self.clock())
             if queue.cold:
                 queue.cold = False
                 self.metrics.cold_start(alias)
@@ -164,20 +224,17 @@ class Admission:
 
     def waiting(self, alias: str) -> int:
         queue = self.queues.get(alias)
-        return len(queue.waiters) if queue else 0
+        return len(queue.queue) if queue else 0
 
-    def retry_after_s(self, queue: AliasQueue) -> float:
-        """How long until the queue has room again, at the rate it has drained lately."""
-        now = self.clock()
-        recent = [t for t in queue.departures if now - t <= DRAIN_MEMORY_S]
-        if recent and now > recent[0]:
-            rate = len(recent) / (now - recent[0])  # measured up to now, so a queue that stalls reads slower and slower
-            return max(1.0, math.ceil(len(queue.waiters) / rate))
-        return DRAIN_MEMORY_S  # nothing has left the queue lately: it will not have room soon
+    def _take(self, alias: str) -> Callable[[Waiter], Slot | None]:
+        return lambda waiter: self.router.take(alias, waiter.ask)
+
+    def _per_session(self, alias: str) -> bool:
+        return self.router.scheduler(alias).per_session
 
     def _note_cold(self, queue: AliasQueue) -> None:
         """Start signalling demand when the alias's waiters have nothing routable to wait for."""
-        if queue.waiters and not self.router.routable(queue.alias):
+        if queue.queue and not self.router.routable(queue.alias):
             queue.cold = True
             if queue.signaller is None:
                 queue.signaller = asyncio.create_task(self._signal_demand(queue))
@@ -186,15 +243,15 @@ class Admission:
         if queue.signaller is not None:
             queue.signaller.cancel()
             queue.signaller = None
-        if not queue.departures or self.clock() - queue.departures[-1] > DRAIN_MEMORY_S:
+        if not queue.queue.drained_lately(self.clock()):
             del self.queues[queue.alias]  # keep a recently drained queue's rate for the next Retry-After
 
     async def _signal_demand(self, queue: AliasQueue) -> None:
         outage = Outage(f"signalling demand for {queue.alias}", log)
-        while queue.waiters:
+        while queue.queue:
             try:
                 await self.publish_demand(DemandSignal(gateway_id=self.gateway_id, alias=queue.alias,
-                                                       held=len(queue.waiters), at=utcnow()))
+                                                       held=len(queue.queue), at=utcnow()))
                 self.metrics.demand_signalled(queue.alias)
             except Exception as exc:  # the bus is away: keep waiting, try again next second
                 outage.failed(exc)

@@ -11,6 +11,7 @@ error body with its status.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from shared.openai_protocol import APIError, bad_request, internal_error
+from shared.openai_protocol import APIError, bad_request, internal_error, not_found_model
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -112,6 +113,15 @@ def parse_request(raw: bytes, path: str) -> Routed:
     elif body.get("prompt") is None:
         raise bad_request("`prompt` is required", param="prompt")
     return Routed(body, model, bool(stream), bool(options and options.get("include_usage") is True))
+
+
+async def accept(request: Request, path: str, keys: Keys, limit: int, known: Callable[[str], bool]) -> Routed:
+    """The edge stage: the request's key, size and shape, and a model the gateway serves; else an `APIError`."""
+    keys.check(request)
+    routed = parse_request(await read_body(request, limit), path)
+    if not known(routed.model):
+        raise not_found_model(routed.model)
+    return routed
 
 
 async def http_error(_: Request, exc: Exception) -> JSONResponse:

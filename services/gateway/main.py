@@ -10,7 +10,8 @@ import uvicorn
 from starlette.applications import Starlette
 
 from services.gateway.admin import create_admin_app
-from services.gateway.app import Gateway, create_app, upstream_client
+from services.gateway.app import Gateway, create_app
+from services.gateway.proxy import upstream_client
 from services.runtime import ServiceContext, run_service
 from shared.contracts.config import PoolConfig, load_pool_config
 from shared.faults import retry_until_done

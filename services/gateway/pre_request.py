@@ -1,0 +1,65 @@
+"""Before a request is sent: its session bound to the instance it goes to, or moved there with its KV.
+
+Only for routers that bind sessions (sticky, affinity, EAR). A new session is
+bound to the slot's instance; a session the router moved (`Slot.moved_from`)
+brings its KV along from the old host where the router's `move_kv` and both
+engines allow (`kv_moves.py`), and the move is recorded with what it carried.
+The log records bindings behind the request (`sessions.py`): nothing here
+waits for the database.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import aiohttp
+
+from services.gateway.context import RequestContext
+from services.gateway.kv_moves import KVMove, move_kv
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.routing import Router, Slot
+from services.gateway.sessions import Sessions
+from shared.projections.live import LiveView
+from shared.projections.readmodels import INSTANCES
+
+log = logging.getLogger(__name__)
+
+
+class PreRequest:
+    def __init__(self, router: Router, sessions: Sessions, view: LiveView, client: aiohttp.ClientSession,
+                 metrics: GatewayMetrics, clock: Callable[[], float]) -> None:
+        self.router = router
+        self.sessions = sessions
+        self.view = view
+        self.client = client
+        self.metrics = metrics
+        self.clock = clock
+
+    async def prepare(self, ctx: RequestContext) -> None:
+        slot = ctx.slot
+        assert slot is not None
+        if not slot.binds:
+            return
+        session_id = ctx.ask.prompt.session_id
+        if slot.moved_from is not None:
+            self.metrics.session_moved(ctx.alias, slot.reason)
+            move = await self._move_kv(ctx, slot)
+            self.sessions.migrate(session_id, ctx.alias, slot.moved_from, slot.instance_id, slot.reason, move.metrics())
+        elif session_id not in self.sessions.bindings:
+            self.sessions.bind(session_id, ctx.alias, slot.instance_id)
+
+    async def _move_kv(self, ctx: RequestContext, slot: Slot) -> KVMove:
+        config = self.router.router_config(ctx.alias)
+        if not config.move_kv:
+            return KVMove(False, detail="move_kv is off")
+        assert slot.moved_from is not None
+        move = await move_kv(self.client, self.view[INSTANCES].get(slot.moved_from), slot.instance, ctx.path,
+                             ctx.payload, config.kv_move_timeout_s, self.clock)
+        self.metrics.kv_move(ctx.alias, move.moved, move.seconds)
+        if move.moved:
+            self.router.kv_moved(slot, move.tokens)
+        else:
+            log.info("session %s moved to %s without its KV: %s", ctx.ask.prompt.session_id, slot.instance_id,
+                     move.detail)
+        return move
