@@ -1,4 +1,5 @@
-"""The simulated engine's HTTP server: vLLM's (or llama-server's) API over the decode model.
+"""The simulated engine's HTTP server: the OpenAI API over the decode model, with vLLM's admin routes
+(`vllm_admin.py`) or llama-server's (`llama_server.py`) as its profile has them.
 
 Everything a client can see follows the real engine's protocol; nothing pretends
 to be real inference: `/v1/models` says `engine: simulated-...` and
@@ -31,10 +32,12 @@ from starlette.types import Receive
 from services.engines.simulated import shaping, synthetic
 from services.engines.simulated.config import EngineConfig
 from services.engines.simulated.driver import Generation, RealTimeDriver
-from services.engines.simulated.lifecycle import EngineState, Lifecycle, LifecycleError
+from services.engines.simulated.lifecycle import EngineState, Lifecycle
+from services.engines.simulated.llama_server import llama_server_routes
 from services.engines.simulated.metrics import EngineSnapshot, EngineStats, render_llamacpp, render_vllm
 from services.engines.simulated.shaping import Shape
 from services.engines.simulated.streams import ChoicesStream, TokenStream, chat_frames, completion_frames
+from services.engines.simulated.vllm_admin import vllm_admin_routes
 from shared.client_gone import client_gone
 from shared.engine_asgi import EngineHeader, TraceRequests
 from shared.openai_protocol import (
@@ -70,7 +73,6 @@ class EngineServer:
         self.driver = RealTimeDriver(config, self.stats)
         self.filler = synthetic.FillerText.build()
         self._loader: asyncio.Task[None] | None = None
-        self._lifecycle_lock = asyncio.Lock()
         self._next_id = 0
         self.telemetry: Telemetry | None = None
         """Set when spans are exported (`otlp_traces_endpoint`)."""
@@ -122,7 +124,7 @@ class EngineServer:
 
     # ------------------------------------------------------------ helpers
 
-    def _require_serving(self) -> None:
+    def require_serving(self) -> None:
         state = self.lifecycle.state
         if state is EngineState.AWAKE:
             return
@@ -245,7 +247,7 @@ class EngineServer:
     # ------------------------------------------------------------ OpenAI routes
 
     async def chat_completions(self, request: Request) -> Response | TokenStream | ChoicesStream:
-        self._require_serving()
+        self.require_serving()
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_model(req.model)
         extra = req.model_extra or {}
@@ -298,7 +300,7 @@ class EngineServer:
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     async def completions(self, request: Request) -> Response | TokenStream:
-        self._require_serving()
+        self.require_serving()
         req: CompletionRequest = await self._parse(request, CompletionRequest)
         self._check_model(req.model)
         prompt = req.prompt_text()
@@ -324,7 +326,7 @@ class EngineServer:
 
     async def models(self, request: Request) -> Response:
         if self.lifecycle.state is EngineState.LOADING:
-            self._require_serving()
+            self.require_serving()
         card = ModelCard(
             id=self.config.model, owned_by="vllm" if self.config.profile == "vllm" else "llamacpp",
             engine=self.engine, simulated=True, max_model_len=self.config.max_model_len,
@@ -337,7 +339,7 @@ class EngineServer:
         if self.config.profile == "vllm":
             return Response(status_code=200)
         if self.lifecycle.state is EngineState.LOADING:
-            self._require_serving()
+            self.require_serving()
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
@@ -376,68 +378,8 @@ class EngineServer:
             "schedule_resets": self.stats.schedule_resets,
         })
 
-    async def sleep(self, request: Request) -> Response:
-        raw = request.query_params.get("level", "1")
-        try:
-            level = int(raw)
-        except ValueError:
-            raise bad_request(f"sleep level must be 1 or 2, got {raw!r}", param="level") from None
-        if level not in (1, 2):
-            raise bad_request(f"sleep level must be 1 or 2, got {level}", param="level")
-        async with self._lifecycle_lock:
-            if not self._transition(self.lifecycle.begin_sleep, level):
-                # vLLM's executor ignores a sleep call while asleep ("already sleeping"), whatever
-                # the level: going from level 1 to level 2 takes a wake-up first.
-                log.warning("%s is already sleeping at level %d; sleep(level=%d) ignored",
-                            self.engine, self.lifecycle.level, level)
-                return Response(status_code=200)
-            await self.driver.drained()
-            await asyncio.sleep(self.lifecycle.sleep_delay() / self.config.speedup)
-            self.driver.reset()
-            self.lifecycle.asleep()
-        log.info("%s asleep at level %d", self.engine, level)
-        return Response(status_code=200)
-
-    async def wake_up(self, request: Request) -> Response:
-        async with self._lifecycle_lock:
-            delay = self._transition(self.lifecycle.begin_wake)
-            if delay is None:
-                return Response(status_code=200)
-            await asyncio.sleep(delay / self.config.speedup)
-            self.lifecycle.awake()
-        log.info("%s awake", self.engine)
-        return Response(status_code=200)
-
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": f"{self.engine} (modelpool)", "simulated": True})
-
-    async def is_sleeping(self, request: Request) -> Response:
-        return JSONResponse({"is_sleeping": self.lifecycle.is_sleeping})
-
-    def _transition(self, step: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return step(*args)
-        except LifecycleError as exc:
-            raise APIError(409, str(exc), type="invalid_request_error", code="invalid_state") from None
-
-    async def slots(self, request: Request) -> Response:
-        """llama-server's `/slots`: one entry per parallel slot."""
-        self._require_serving()
-        busy = [g for g in self.driver.active.values() if g.sim_request is not None]
-        out = []
-        per_slot_ctx = self.config.kv_tokens // self.config.max_num_seqs
-        for slot in range(self.config.max_num_seqs):
-            gen = busy[slot] if slot < len(busy) else None
-            out.append({
-                "id": slot,
-                "id_task": int(gen.request_id.rsplit("-", 1)[1]) if gen else -1,
-                "n_ctx": per_slot_ctx,
-                "is_processing": gen is not None,
-                "n_prompt_tokens": gen.prompt_tokens if gen else 0,
-                "n_decoded": gen.emitted if gen else 0,
-                "simulated": True,
-            })
-        return JSONResponse(out)
 
     # ------------------------------------------------------------ app
 
@@ -451,15 +393,7 @@ class EngineServer:
             Route("/sim/status", self.status, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
         ]
-        if self.config.profile == "vllm":
-            routes += [
-                Route("/sleep", self.sleep, methods=["POST"]),
-                Route("/wake_up", self.wake_up, methods=["POST"]),
-                Route("/is_sleeping", self.is_sleeping, methods=["GET"]),
-            ]
-        else:
-            routes.append(Route("/slots", self.slots, methods=["GET"]))
-        return routes
+        return routes + (vllm_admin_routes(self) if self.config.profile == "vllm" else llama_server_routes(self))
 
 
 def _chat_tokens(req: ChatCompletionRequest) -> list[str]:

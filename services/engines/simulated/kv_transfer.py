@@ -39,7 +39,7 @@ class KVTransfer:
         self.config = server.config
 
     def _cache(self) -> Any:
-        self.server._require_serving()
+        self.server.require_serving()
         cache = self.server.driver.system.prefix_cache
         if cache is None:
             raise APIError(409, "this engine runs without prefix caching: it keeps no KV to move",
