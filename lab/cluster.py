@@ -51,7 +51,8 @@ from shared.contracts.control import (
     new_instance_view,
     new_snapshot,
 )
-from shared.contracts.states import InstanceState, RoutingState
+from shared.contracts.effects import CommandEffect, EngineStep, effect_of
+from shared.contracts.states import IllegalTransition, InstanceState, RoutingState
 from shared.contracts.trace import TraceRequest
 
 S, R = InstanceState, RoutingState
@@ -447,50 +448,57 @@ class Cluster:
             del self.pending[inst.instance_id]  # the drain is done: the controller deletes it next
 
     def _apply(self, a: PlannedAction, now: float) -> None:
+        """Carry out a command as a worker does (`shared.contracts.effects`), with the tiers' delays: a command the
+        instance's state no longer allows is rejected, and the controller decides again."""
         self.commands += 1
         self._actions_in_window += 1
-        when = _at(now)
-        if a.action is Action.START:
-            self._start(a, now)
-            return
         inst = self.instances.get(a.instance_id)
-        if inst is None:
+        try:
+            effect = effect_of(a.action, a.backend, inst.state if inst else S.ABSENT, a.level or 0)
+        except IllegalTransition:
             return
+        if effect.step is EngineStep.SPAWN:
+            self._start(a, effect, now)
+            return
+        assert inst is not None
         model = inst.model
-        if a.action is Action.WAKE:
-            delay = model.wake_l2_s if inst.sleep_level == 2 else model.wake_l1_s
-            self._memory_changed(now, model.memory_gb - model.sleep_memory_gb)
-            inst.ready_at = now + delay
-            inst.version += 1
-            self.pending[inst.instance_id] = PendingCommand(a.command_id, a.action, a.backend, a.instance_id, when)
-            self.record.wakes.append((now, inst.instance_id))
-            self._push(now + delay, READY, (inst.instance_id, inst.version))
-        elif a.action is Action.SLEEP:
-            if inst.state is S.RUNNING:
-                self._memory_changed(now, model.sleep_memory_gb - model.memory_gb)
-            self._moved(inst, S.SLEEP_1 if a.level == 1 else S.SLEEP_2, now)
-            inst.sleep_level = a.level
-            self._serving = None
-        elif a.action is Action.DRAIN:
-            self._moved(inst, S.DRAINING, now)
-            self._serving = None
-            if inst.jobs:
-                self.pending[inst.instance_id] = PendingCommand(a.command_id, a.action, a.backend, a.instance_id, when)
-        elif a.action is Action.DELETE:
-            self._memory_changed(now, -inst.memory_gb())
-            for _, _, job in inst.jobs:  # a cancelled start or a forced delete: its requests go back to the queue
-                self._inflight[inst.backend] -= 1
-                self.queue.requeue(job.request)  # type: ignore[arg-type]
-            inst.jobs.clear()
-            inst.version += 1
-            del self.instances[inst.instance_id]
-            self._views.pop(inst.instance_id, None)
-            self._moved(inst, S.ABSENT, now)
-            self._serving = None
-            self.workers[inst.worker_id].remove(inst.instance_id)
-            self.pending.pop(inst.instance_id, None)
+        match effect.step:
+            case EngineStep.WAKE:  # RUNNING when the wake is done (`_ready`)
+                delay = model.wake_l2_s if inst.sleep_level == 2 else model.wake_l1_s
+                self._memory_changed(now, model.memory_gb - model.sleep_memory_gb)
+                inst.ready_at = now + delay
+                inst.version += 1
+                self.pending[inst.instance_id] = PendingCommand(a.command_id, a.action, a.backend, a.instance_id, _at(now))
+                self.record.wakes.append((now, inst.instance_id))
+                self._push(now + delay, READY, (inst.instance_id, inst.version))
+            case EngineStep.SLEEP:
+                if inst.state is S.RUNNING:
+                    self._memory_changed(now, model.sleep_memory_gb - model.memory_gb)
+                self._moved(inst, effect.done, now)  # type: ignore[arg-type]
+                inst.sleep_level = effect.sleep_level
+                self._serving = None
+            case EngineStep.WAIT_IDLE:
+                self._moved(inst, effect.accepted, now)  # type: ignore[arg-type]
+                self._serving = None
+                if inst.jobs:
+                    self.pending[inst.instance_id] = PendingCommand(a.command_id, a.action, a.backend, a.instance_id,
+                                                                    _at(now))
+            case EngineStep.STOP:
+                self._memory_changed(now, -inst.memory_gb())
+                for _, _, job in inst.jobs:  # a cancelled start or a forced delete: its requests go back to the queue
+                    self._inflight[inst.backend] -= 1
+                    self.queue.requeue(job.request)  # type: ignore[arg-type]
+                inst.jobs.clear()
+                inst.version += 1
+                del self.instances[inst.instance_id]
+                self._views.pop(inst.instance_id, None)
+                self._moved(inst, effect.accepted, now)  # type: ignore[arg-type]
+                self._moved(inst, effect.done, now)  # type: ignore[arg-type]
+                self._serving = None
+                self.workers[inst.worker_id].remove(inst.instance_id)
+                self.pending.pop(inst.instance_id, None)
 
-    def _start(self, a: PlannedAction, now: float) -> None:
+    def _start(self, a: PlannedAction, effect: CommandEffect, now: float) -> None:
         model = self.tiers[a.backend]
         views = [WorkerView(w, self.lab.worker_gpu_memory_gb, self.lab.worker_slots, frozenset(EngineKind),
                             instances=tuple(Placed(i, self.alias.alias, self.instances[i].backend,
@@ -500,10 +508,10 @@ class Cluster:
         if placed.worker_id is None:
             self.start_failures[a.backend] = StartFailure(a.instance_id, _at(now), placed.reason)
             return
-        inst = LabInstance(a.instance_id, a.backend, placed.worker_id, model, S.STARTING, now, role=a.role,
+        inst = LabInstance(a.instance_id, a.backend, placed.worker_id, model, S.ABSENT, now, role=a.role,
                            ready_at=now + model.startup_s, t_ref=now, busy_until=now)
         self.instances[a.instance_id] = inst
-        self.record.transitions.append(Transition(now, inst.instance_id, inst.backend, S.ABSENT, S.STARTING))
+        self._moved(inst, effect.accepted, now)  # type: ignore[arg-type]
         self.workers[placed.worker_id].append(a.instance_id)
         self._memory_changed(now, model.memory_gb)
         self._push(now + model.startup_s, READY, (inst.instance_id, inst.version))

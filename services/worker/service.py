@@ -47,6 +47,7 @@ from shared.contracts.events import (
     WorkerLost,
     WorkerRegistered,
 )
+from shared.contracts.effects import CommandEffect, command_effect, effect_of
 from shared.contracts.messages import Envelope, Event, derived_id
 from shared.contracts.states import (
     IllegalTransition,
@@ -243,9 +244,9 @@ class Worker:
         inst = self.instances.get(cmd.instance_id)
         if inst is None:
             inst = Instance(cmd.instance_id, cmd.alias, cmd.backend_type, cmd.engine, S.ABSENT, role=cmd.role)
-        check_instance_transition(inst.backend_type, inst.state, S.STARTING)
+        effect = effect_of(cmd.ACTION, inst.backend_type, inst.state)
         self.instances[inst.instance_id] = inst
-        await self._transition(inst, S.STARTING, cmd.reason or "start requested", envelope, marker="accepted")
+        await self._transition(inst, effect.accepted, cmd.reason or "start requested", envelope, marker="accepted")
         # Launched here, under the instance's lock, so a delete that follows always
         # finds the process it has to stop; only the wait for health goes on in the background.
         try:
@@ -256,9 +257,9 @@ class Worker:
         inst.process, inst.endpoint = process, process.endpoint
         self._spawn(self._watch(inst, process))
         self._spawn(self._guard(inst, process))
-        self._spawn(self._finish_start(envelope, inst, process))
+        self._spawn(self._finish_start(envelope, inst, process, effect.done))
 
-    async def _finish_start(self, envelope: Envelope, inst: Instance, process: EngineProcess) -> None:
+    async def _finish_start(self, envelope: Envelope, inst: Instance, process: EngineProcess, healthy: S) -> None:
         failure = None
         try:
             await process.wait_healthy(self.health_timeout_s)
@@ -275,7 +276,7 @@ class Worker:
             if failure is None and not process.alive:
                 failure = f"engine exited with code {process.exit_code} as it became healthy"
             if failure is None:
-                await self._transition(inst, S.RUNNING, "engine healthy", envelope, outcome=(CommandOutcome.OK, inst.endpoint or ""))
+                await self._transition(inst, healthy, "engine healthy", envelope, outcome=(CommandOutcome.OK, inst.endpoint or ""))
                 return
             # The exit code only of an engine that exited by itself; one that never got healthy is stopped here.
             exit_code = None if process.alive else process.exit_code
@@ -321,26 +322,20 @@ class Worker:
             return
 
     async def _wake(self, envelope: Envelope, cmd: WakeInstance) -> None:
-        inst = self._known(cmd)
-        check_instance_transition(inst.backend_type, inst.state, S.RUNNING)
-        await self._engine_call(envelope, cmd, inst, lambda p: p.wake(), S.RUNNING, 0)
+        inst, effect = self._known(cmd)
+        await self._engine_call(envelope, cmd, inst, lambda p: p.wake(), effect)
 
     async def _sleep(self, envelope: Envelope, cmd: SleepInstance) -> None:
-        inst = self._known(cmd)
-        target = S.SLEEP_1 if cmd.level == 1 else S.SLEEP_2
-        check_instance_transition(inst.backend_type, inst.state, target)
-        asleep = inst.state in (S.SLEEP_1, S.SLEEP_2)
+        inst, effect = self._known(cmd)
 
         async def change_level(process: EngineProcess) -> None:
-            if asleep:
-                # vLLM ignores /sleep while asleep ("already sleeping"): a change of
-                # level goes through a wake.
+            if effect.wake_first:
                 await process.wake()
             await process.sleep(cmd.level)
 
-        await self._engine_call(envelope, cmd, inst, change_level, target, cmd.level)
+        await self._engine_call(envelope, cmd, inst, change_level, effect)
 
-    async def _engine_call(self, envelope, cmd, inst: Instance, call, target: S, sleep_level: int) -> None:
+    async def _engine_call(self, envelope, cmd, inst: Instance, call, effect: CommandEffect) -> None:
         if inst.process is None or not inst.process.alive:
             await self._engine_gone(inst, envelope)
             return
@@ -349,8 +344,8 @@ class Worker:
         except Exception as exc:  # whatever the engine answered, the outcome records it
             await self._outcome(envelope, cmd, CommandOutcome.FAILED, str(exc))
             return
-        inst.sleep_level = sleep_level
-        await self._transition(inst, target, cmd.reason or f"{cmd.ACTION.value} requested", envelope,
+        inst.sleep_level = effect.sleep_level
+        await self._transition(inst, effect.done, cmd.reason or f"{cmd.ACTION.value} requested", envelope,
                                outcome=(CommandOutcome.OK, ""))
 
     async def _engine_gone(self, inst: Instance, cause: Envelope | None, why: str | None = None) -> None:
@@ -373,9 +368,8 @@ class Worker:
         self.instances.pop(inst.instance_id, None)
 
     async def _drain(self, envelope: Envelope, cmd: DrainInstance) -> None:
-        inst = self._known(cmd)
-        check_instance_transition(inst.backend_type, inst.state, S.DRAINING)
-        await self._transition(inst, S.DRAINING, cmd.reason or "drain requested", envelope, marker="accepted")
+        inst, effect = self._known(cmd)
+        await self._transition(inst, effect.accepted, cmd.reason or "drain requested", envelope, marker="accepted")
         self._spawn(self._finish_drain(envelope, cmd, inst))
 
     async def _finish_drain(self, envelope: Envelope, cmd: DrainInstance, inst: Instance) -> None:
@@ -393,13 +387,12 @@ class Worker:
 
     async def _delete(self, envelope: Envelope, cmd: DeleteInstance) -> None:
         """Also cancels a start: the background start then finds its process gone and records nothing."""
-        inst = self._known(cmd)
-        check_instance_transition(inst.backend_type, inst.state, S.DELETING)
-        await self._transition(inst, S.DELETING, cmd.reason or "delete requested", envelope, marker="accepted")
+        inst, effect = self._known(cmd)
+        await self._transition(inst, effect.accepted, cmd.reason or "delete requested", envelope, marker="accepted")
         if inst.process is not None:
             await inst.process.stop()
             inst.process = None
-        await self._transition(inst, S.ABSENT, "engine stopped, resources released", envelope, outcome=(CommandOutcome.OK, ""))
+        await self._transition(inst, effect.done, "engine stopped, resources released", envelope, outcome=(CommandOutcome.OK, ""))
         self.instances.pop(inst.instance_id, None)
 
     async def _probe(self, envelope: Envelope, cmd: ProbeInstance) -> None:
@@ -461,13 +454,17 @@ class Worker:
 
     # ------------------------------------------------------------------ helpers
 
-    def _known(self, cmd: InstanceCommand) -> Instance:
+    def _known(self, cmd: InstanceCommand) -> tuple[Instance, CommandEffect]:
+        """The command's instance on this worker and what the command does to it; `IllegalTransition` if it may not."""
         inst = self.instances.get(cmd.instance_id)
+        level = getattr(cmd, "level", 0)
         if inst is None:
-            raise IllegalTransition("instance", S.ABSENT, _target_of(cmd), f"instance {cmd.instance_id} is not on this worker")
+            requested = command_effect(cmd.ACTION, level).first
+            raise IllegalTransition("instance", S.ABSENT, requested, f"instance {cmd.instance_id} is not on this worker")
         if inst.backend_type is not cmd.backend_type:
-            raise IllegalTransition("instance", inst.state, _target_of(cmd), f"instance is {inst.backend_type.value}, command says {cmd.backend_type.value}")
-        return inst
+            requested = command_effect(cmd.ACTION, level).first
+            raise IllegalTransition("instance", inst.state, requested, f"instance is {inst.backend_type.value}, command says {cmd.backend_type.value}")
+        return inst, effect_of(cmd.ACTION, inst.backend_type, inst.state, level)
 
     def _lock(self, instance_id: str) -> asyncio.Lock:
         return self._locks.setdefault(instance_id, asyncio.Lock())
@@ -545,10 +542,3 @@ _ACTIONS = {c.TYPE: c.ACTION for c in (StartInstance, WakeInstance, SleepInstanc
 
 def _action_of(envelope: Envelope) -> str:
     return _ACTIONS[envelope.type].value
-
-
-def _target_of(cmd: InstanceCommand) -> S:
-    """The state a command asks for, to name it in a refusal."""
-    if isinstance(cmd, SleepInstance):
-        return S.SLEEP_1 if cmd.level == 1 else S.SLEEP_2
-    return {Action.START: S.STARTING, Action.DRAIN: S.DRAINING, Action.DELETE: S.DELETING}.get(cmd.ACTION, S.RUNNING)

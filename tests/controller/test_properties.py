@@ -6,13 +6,13 @@ from datetime import timedelta
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from world import FAST, SLOW, R, S, World, alias_config, target_of
+from world import FAST, SLOW, R, S, World, alias_config
 
 from policy import decide
 from shared.contracts.backends import Action
 from shared.contracts.config import PolicySettings
 from shared.contracts.control import DECISION, SNAPSHOT
-from shared.contracts.states import check_instance_transition
+from shared.contracts.effects import effect_of
 
 SCALE_UP = {Action.START, Action.WAKE}
 
@@ -87,7 +87,7 @@ def test_decisions_stay_legal_bounded_deterministic_and_survive_a_json_round_tri
         # Every command is legal for its instance's state when it is decided.
         for a in decision.actions:
             current = instances.get(a.instance_id)
-            check_instance_transition(a.backend, current.state if current else S.ABSENT, target_of(a.action, a.level))
+            effect_of(a.action, a.backend, current.state if current else S.ABSENT, a.level)
         # One command at a time per instance.
         ids = [a.instance_id for a in decision.actions]
         assert len(ids) == len(set(ids))

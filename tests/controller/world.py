@@ -1,8 +1,9 @@
 """A small deterministic world for stepping the controller tick by tick on a fake clock.
 
 It holds what the autoscaler would gather (routing state, instances, pending
-commands) and plays the workers' part: commands take effect after the delays it
-is given, or fail, or get lost. Tests feed it metric windows and assert on the
+commands) and plays the workers' part with the workers' own rule of what a
+command does (`shared.contracts.effects`): commands take effect after the delays
+it is given, or fail, or get lost. Tests feed it metric windows and assert on the
 decisions `policy.decide` makes.
 """
 
@@ -24,23 +25,18 @@ from shared.contracts.control import (
     PolicyState,
     StartFailure,
 )
+from shared.contracts.effects import EngineStep, effect_of
 from shared.contracts.states import (
+    IllegalTransition,
     InstanceState,
     RoutingState,
     check_instance_transition,
     check_routing_transition,
-    instance_transition_allowed,
 )
 
 FAST, SLOW = BackendType.LLAMA_CPP, BackendType.VLLM
 S, R = InstanceState, RoutingState
 T0 = datetime(2026, 11, 23, 8, 0, tzinfo=timezone.utc)
-
-
-def target_of(action: Action, level: int = 0) -> InstanceState:
-    """The state a command moves an instance to."""
-    return {Action.START: S.STARTING, Action.WAKE: S.RUNNING, Action.DRAIN: S.DRAINING, Action.DELETE: S.DELETING,
-            Action.SLEEP: S.SLEEP_2 if level == 2 else S.SLEEP_1}[action]
 
 
 def alias_config(fast: tuple[int, int] | None = (0, 2), slow: tuple[int, int] | None = (0, 1), **extra: Any) -> AliasConfig:
@@ -138,32 +134,30 @@ class World:
             self._handle(cmd)
 
     def _handle(self, cmd: PendingCommand) -> None:
+        """As a worker does (`shared.contracts.effects`), with no time taken but a start's."""
         inst = self.instances.get(cmd.instance_id)
-        if inst is not None and not instance_transition_allowed(inst.backend, inst.state, target_of(cmd.action, cmd.level)):
-            # As a worker does: a command the instance's state no longer allows is rejected
-            # (a cancel that arrives after the start finished, say); the controller decides again.
-            del self.pending[cmd.instance_id]
+        del self.pending[cmd.instance_id]
+        try:
+            effect = effect_of(cmd.action, cmd.backend, inst.state if inst else S.ABSENT, cmd.level)
+        except IllegalTransition:
+            # A command the instance's state no longer allows is rejected (a cancel that
+            # arrives after the start finished, say); the controller decides again.
             return
         if self.unsupported.get((cmd.backend, cmd.action)):
             self.instances[cmd.instance_id] = replace(inst, unsupported=inst.unsupported | {cmd.action})
-            del self.pending[cmd.instance_id]
             return
-        if cmd.action is Action.START:
-            engine = EngineKind.SIMULATOR
-            self.instances[cmd.instance_id] = InstanceView(cmd.instance_id, cmd.backend, engine, "w1", S.STARTING, self.now,
-                                                           capacity=None, role=cmd.role)
-            self.ready_at[cmd.instance_id] = self.now + timedelta(seconds=self.delays.start[cmd.backend])
-        elif cmd.action is Action.WAKE:
-            self._set(inst, S.RUNNING, sleep_level=0)
-        elif cmd.action is Action.SLEEP:
-            self._set(inst, S.SLEEP_1 if cmd.level == 1 else S.SLEEP_2, sleep_level=cmd.level)
-        elif cmd.action is Action.DRAIN:
-            self._set(inst, S.DRAINING)
-        elif cmd.action is Action.DELETE:
-            check_instance_transition(inst.backend, inst.state, S.DELETING)
-            del self.instances[cmd.instance_id]
-            self.ready_at.pop(cmd.instance_id, None)
-        del self.pending[cmd.instance_id]
+        match effect.step:
+            case EngineStep.SPAWN:
+                self.instances[cmd.instance_id] = InstanceView(cmd.instance_id, cmd.backend, EngineKind.SIMULATOR, "w1",
+                                                               effect.accepted, self.now, capacity=None, role=cmd.role)
+                self.ready_at[cmd.instance_id] = self.now + timedelta(seconds=self.delays.start[cmd.backend])
+            case EngineStep.WAKE | EngineStep.SLEEP:
+                self._set(inst, effect.done, sleep_level=effect.sleep_level)
+            case EngineStep.WAIT_IDLE:
+                self._set(inst, effect.accepted)
+            case EngineStep.STOP:
+                del self.instances[cmd.instance_id]
+                self.ready_at.pop(cmd.instance_id, None)
 
     def _set(self, inst: InstanceView, state: InstanceState, **fields: Any) -> None:
         check_instance_transition(inst.backend, inst.state, state)
