@@ -53,7 +53,9 @@ from shared.contracts.control import (
 )
 from shared.contracts.effects import CommandEffect, EngineStep, effect_of
 from shared.contracts.states import IllegalTransition, InstanceState, RoutingState
+from shared.contracts.telemetry import merge_windows
 from shared.contracts.trace import TraceRequest
+from shared.metering import AliasMeter, RequestOutcome, RequestTrace
 
 S, R = InstanceState, RoutingState
 FAST, SLOW = BackendType.LLAMA_CPP, BackendType.VLLM
@@ -75,6 +77,8 @@ class LabRequest:
     first_token_at: float | None = None
     decoding: bool = False
     """Past its prefill on a prefill instance, waiting for or on a decode instance."""
+    trace: RequestTrace | None = None
+    """Its moments in the alias's metric window, as the gateway records them."""
 
 
 @dataclass(slots=True)
@@ -122,34 +126,16 @@ class LogLine:
 
 @dataclass
 class Window:
-    """Accumulators of the current metric window."""
+    """What the lab measures of the current metric window beyond what the controller is given (`self.meter`): for
+    the calibration record and the objective."""
 
     start: float
-    arrivals: int = 0
-    answered: int = 0
-    answered_fast: int = 0
-    answered_slow: int = 0
-    errors: int = 0
-    ttft: list[float] = field(default_factory=list)
-    e2e_fast: list[float] = field(default_factory=list)
-    e2e_slow: list[float] = field(default_factory=list)
-    tbt: list[float] = field(default_factory=list)
-    queue_wait: list[float] = field(default_factory=list)
+    e2e_total: float = 0.0
     inflight_fast_s: float = 0.0
     inflight_slow_s: float = 0.0
-    queue_s: float = 0.0
     running_fast_s: float = 0.0
     running_slow_s: float = 0.0
     decoded_by: dict[BackendType, float] = field(default_factory=lambda: {FAST: 0.0, SLOW: 0.0})
-    prefilled: int = 0
-    peak: int = 0
-
-
-def p95(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
 
 
 class Cluster:
@@ -203,6 +189,10 @@ class Cluster:
         self._level_at = 0.0
         self._inflight = {FAST: 0, SLOW: 0}
         self._running = {FAST: 0, SLOW: 0}
+        self.now = 0.0
+        """Virtual time of the event being handled: the clock of the alias's metric window."""
+        self.meter = AliasMeter(self.clock)
+        """The alias's metric window, added up as the gateway adds it up: the controller's input."""
         self.window = Window(0.0)
         self._actions_in_window = 0
         self._turns_due = 0
@@ -229,6 +219,7 @@ class Cluster:
             if self.progress and now >= next_progress:
                 self.progress(now)
                 next_progress = now + 60.0
+            self.now = now
             if t_arrival <= t_event:
                 self._arrive(arrivals[i], arrivals[i].delay_s)
                 i += 1
@@ -249,10 +240,12 @@ class Cluster:
                 self._tick(t)
                 if self._active(i, n, t, end_of_trace):
                     self._push(t + self.lab.tick_s, TICK, None)
-        self._level(max(self._level_at, end_of_trace))
+        self.now = max(self._level_at, end_of_trace)
+        self._level(self.now)
         for r in list(self.queue.waiting):
             self.queue.leave(r)
-            self._lose(r, "unanswered at the end of the run", self._level_at)
+            self.meter.add_held(-1)
+            self._lose(r, "unanswered at the end of the run", RequestOutcome.LEFT, self.now)
 
     def _active(self, i: int, n: int, t: float, end_of_trace: float) -> bool:
         """Ticks and windows go on while requests are due or in flight, then `drain_s` longer for scale-down."""
@@ -274,7 +267,6 @@ class Cluster:
         w = self.window
         w.inflight_fast_s += self._inflight[FAST] * dt
         w.inflight_slow_s += self._inflight[SLOW] * dt
-        w.queue_s += len(self.queue) * dt
         w.running_fast_s += self._running[FAST] * dt
         w.running_slow_s += self._running[SLOW] * dt
         self.memory_gb_s += self.memory_gb * dt
@@ -290,12 +282,20 @@ class Cluster:
         self._level(now)
         prompt = self.context.get(r.session_id, 0) + r.new_input_tokens
         self.context[r.session_id] = prompt + r.output_tokens
-        req = LabRequest(r.session_id, now, prompt, r.output_tokens, queued_at=now)
-        self.window.arrivals += 1
+        req = LabRequest(r.session_id, now, prompt, r.output_tokens, queued_at=now,
+                         trace=RequestTrace(self.meter, self.clock))
         try:
-            self.queue.admit(req, now, self._taker(now), self.scheduler.per_session)
+            self._admit_or_queue(req, now)
         except AdmissionQueueFull:
-            self._lose(req, "queue full (429)", now)
+            self._lose(req, "queue full (429)", RequestOutcome.QUEUE_FULL, now)
+
+    def clock(self) -> float:
+        return self.now
+
+    def _admit_or_queue(self, req: LabRequest, now: float, readmitted: bool = False) -> None:
+        """A slot now, or a place in the queue (counted as held, as the gateway counts its waiters)."""
+        if self.queue.admit(req, now, self._taker(now), self.scheduler.per_session, readmitted) is None:
+            self.meter.add_held(1)
 
     def _serving_by(self) -> dict[tuple[BackendType, Role | None], list[LabInstance]]:
         if self._serving is None:
@@ -343,14 +343,12 @@ class Cluster:
     def _admit(self, req: LabRequest, inst: LabInstance, now: float, role: Role | None) -> None:
         if req.admitted_at is None:
             req.admitted_at = now
-            self.window.queue_wait.append(now - req.queued_at)
+            req.trace.dispatched(inst.backend)  # type: ignore[union-attr]
         output = 1 if role is Role.PREFILL else (req.output_tokens - 1 if role is Role.DECODE else req.output_tokens)
         job, generated = inst.admit(req, req.session, req.prompt_tokens, max(1, output), now,
                                     prefilled=role is Role.DECODE)
         self._generated(inst, generated)
-        self.window.prefilled += job.prompt_tokens - job.cached_tokens
         self._inflight[inst.backend] += 1
-        self.window.peak = max(self.window.peak, sum(self._inflight.values()))
         self._schedule_completion(inst)
 
     def _generated(self, inst: LabInstance, tokens: float) -> None:
@@ -377,8 +375,7 @@ class Cluster:
             if inst.role is Role.PREFILL:  # prefilled: on to a decode instance, KV handed over
                 req.decoding = True
                 req.queued_at = now
-                # It was admitted once: it does not queue behind new arrivals.
-                self.queue.admit(req, now, self._taker(now), self.scheduler.per_session, readmitted=True)
+                self._admit_or_queue(req, now, readmitted=True)  # admitted once: it does not queue behind new arrivals
                 continue
             inst.remember(req.session, req.prompt_tokens + req.output_tokens)
             self._answer(req, now, inst.backend)
@@ -394,24 +391,21 @@ class Cluster:
         tbt = (now - first) / (req.output_tokens - 1) if req.output_tokens > 1 else None
         wait = (req.admitted_at or now) - req.arrival
         self.served.append(Served(req.arrival, ttft, e2e, tbt, backend.value, wait, session=req.session))
-        w = self.window
-        w.answered += 1
-        w.ttft.append(ttft)
-        (w.e2e_fast if backend is FAST else w.e2e_slow).append(e2e)
-        if backend is FAST:
-            w.answered_fast += 1
-        else:
-            w.answered_slow += 1
-        if tbt is not None:
-            w.tbt.append(tbt)
+        trace = req.trace
+        assert trace is not None
+        trace.content(1, first)  # the answer as the gateway reads it: the first token, then the rest
+        if req.output_tokens > 1:
+            trace.content(req.output_tokens - 1, now)
+        trace.finished(RequestOutcome.OK, (req.prompt_tokens, req.output_tokens))
+        self.window.e2e_total += e2e
         following = self.later.get(req.session)
         if following:
             turn = following.popleft()
             self._push(now + turn.delay_s, TURN, turn)
 
-    def _lose(self, req: LabRequest, reason: str, now: float) -> None:
+    def _lose(self, req: LabRequest, reason: str, outcome: RequestOutcome, now: float) -> None:
         self.served.append(Served(req.arrival, None, None, None, None, now - req.arrival, reason, req.session))
-        self.window.errors += 1
+        req.trace.finished(outcome, None)  # type: ignore[union-attr]
         self.later.pop(req.session, None)  # the agent gives up on its session
 
     def _pump(self, now: float) -> None:
@@ -420,8 +414,11 @@ class Cluster:
         self._level(now)
         for req in [r for r in self.queue.waiting if now - r.queued_at > timeout]:
             self.queue.leave(req)
-            self._lose(req, "queue timeout (408)", now)
-        self.queue.pump(now, self._taker(now), self.scheduler.per_session)
+            self.meter.add_held(-1)
+            self._lose(req, "queue timeout (408)", RequestOutcome.QUEUE_TIMEOUT, now)
+        granted = self.queue.pump(now, self._taker(now), self.scheduler.per_session)
+        if granted:
+            self.meter.add_held(-len(granted))
 
     def _taker(self, now: float) -> Callable[[LabRequest], bool | None]:
         """The queue's scheduler: places a request (True) if an instance may take it now."""
@@ -488,6 +485,7 @@ class Cluster:
                 for _, _, job in inst.jobs:  # a cancelled start or a forced delete: its requests go back to the queue
                     self._inflight[inst.backend] -= 1
                     self.queue.requeue(job.request)  # type: ignore[arg-type]
+                self.meter.add_held(1)
                 inst.jobs.clear()
                 inst.version += 1
                 del self.instances[inst.instance_id]
@@ -613,25 +611,16 @@ class Cluster:
             if inst.jobs:
                 self._generated(inst, inst.advance(now))  # tokens generated up to the window's end count in it
         seconds = max(1e-9, now - w.start)
-        self.last_window = MetricWindow(
-            window_start=_at(w.start), window_end=_at(now), requests=w.answered,
-            inflight_fast=w.inflight_fast_s / seconds, inflight_slow=w.inflight_slow_s / seconds,
-            queue_len=w.queue_s / seconds, queue_wait_p95_s=p95(w.queue_wait), ttft_p95_s=p95(w.ttft),
-            e2e_p95_fast_s=p95(w.e2e_fast), e2e_p95_s=p95(w.e2e_fast + w.e2e_slow),
-            decode_tokens_per_s=sum(w.decoded_by.values()) / seconds or None,
-            prefill_tokens_per_s=w.prefilled / seconds if w.prefilled else None,
-            tbt_p95_s=p95(w.tbt), gateways=1, arrivals=w.arrivals, requests_fast=w.answered_fast,
-            requests_slow=w.answered_slow, errors=w.errors, inflight_peak=float(w.peak),
-            held=len(self.queue) if not self._routable() else 0, e2e_p95_slow_s=p95(w.e2e_slow),
-        )
-        self._sample(now, (sum(w.e2e_fast) + sum(w.e2e_slow)) / max(1, w.answered), w.answered / seconds,
-                     w.arrivals / seconds)
+        window = self.meter.close("lab", self.alias.alias, _at(w.start), _at(now))
+        self.last_window = merge_windows([window])  # as the controller merges its gateways' windows
+        answered = window.requests_fast + window.requests_slow
+        self._sample(now, w.e2e_total / max(1, answered), answered / seconds, window.arrivals / seconds)
         running = {FAST.value: w.running_fast_s / seconds, SLOW.value: w.running_slow_s / seconds}
         self.record.windows.append(WindowRecord(
-            w.start, now, w.arrivals, w.answered_fast, w.answered_slow, running,
+            w.start, now, window.arrivals, window.requests_fast, window.requests_slow, running,
             {FAST.value: w.inflight_fast_s / seconds, SLOW.value: w.inflight_slow_s / seconds},
             {FAST.value: w.decoded_by[FAST], SLOW.value: w.decoded_by[SLOW]}))
-        self.window = Window(now, peak=sum(self._inflight.values()))
+        self.window = Window(now)
 
     def _sample(self, now: float, e2e: float, rate: float, arrivals: float) -> None:
         """The cluster at a window's end, and the window's term of seed 000 §13.4's objective."""

@@ -32,12 +32,13 @@ from dataclasses import dataclass, field, replace
 from routing.queue import AdmissionQueue, AdmissionQueueFull
 from services.gateway.client_stream import ClientStream
 from services.gateway.context import Refused, RequestContext
-from services.gateway.meter import Meter, RequestOutcome
+from services.gateway.meter import Meter
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import NO_PROMPT, Ask, Router, Slot
 from shared.contracts.messages import utcnow
 from shared.contracts.telemetry import DemandSignal
 from shared.faults import Outage
+from shared.metering import RequestOutcome
 from shared.openai_protocol import APIError, request_timeout, too_many_requests
 
 log = logging.getLogger(__name__)

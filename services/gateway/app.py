@@ -47,7 +47,7 @@ from services.gateway.admission import Admission
 from services.gateway.client_stream import REQUEST_ID_HEADER, ClientStream
 from services.gateway.context import Refused, RequestContext
 from services.gateway.edge import CHAT, COMPLETIONS, Keys, accept, error_response, http_error, unexpected_error
-from services.gateway.meter import Meter, RequestOutcome, RequestTrace
+from services.gateway.meter import Meter
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.post_response import PostResponse
@@ -64,6 +64,7 @@ from shared.contracts.backends import BackendType, engine_label
 from shared.contracts.config import PoolConfig
 from shared.contracts.states import RoutingState
 from shared.eventlog.store import StoredEvent
+from shared.metering import RequestOutcome, RequestTrace
 from shared.openai_protocol import APIError, BackendCard, ModelCard, ModelList, internal_error
 from shared.projections.live import LiveView
 from shared.projections.readmodels import ROUTING, SESSIONS

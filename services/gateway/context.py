@@ -14,10 +14,10 @@ from typing import Any
 
 import aiohttp
 
-from services.gateway.meter import RequestOutcome, RequestTrace
 from services.gateway.resume import StreamTranscript
 from services.gateway.routing import Ask, Slot
 from services.gateway.sse import Usage
+from shared.metering import RequestOutcome, RequestTrace
 from shared.openai_protocol import APIError
 
 

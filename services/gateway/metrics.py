@@ -7,7 +7,8 @@ backend; retries; cold starts; demand signals; session migrations; and the queue
 
 from __future__ import annotations
 
-from services.gateway.meter import FAST, SLOW, Meter
+from services.gateway.meter import Meter
+from shared.metering import FAST, SLOW
 from shared.prometheus import Histogram, family
 
 WAIT_BOUNDS_S = (0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300)

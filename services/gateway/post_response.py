@@ -14,9 +14,9 @@ from opentelemetry.trace import Span, Status, StatusCode
 from services.gateway.admission import Admission
 from services.gateway.context import RequestContext
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.meter import RequestOutcome
 from services.gateway.routing import Router
 from services.gateway.sessions import Sessions
+from shared.metering import RequestOutcome
 
 access_log = logging.getLogger("modelpool.access")
 

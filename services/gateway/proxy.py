@@ -24,11 +24,12 @@ import orjson
 
 from services.gateway.client_stream import REQUEST_ID_HEADER, SSE_HEADERS, ClientStream
 from services.gateway.context import Refused, RequestContext
-from services.gateway.meter import RequestOutcome, outcome_of
+from services.gateway.meter import outcome_of
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import Router, Slot
 from services.gateway.sse import EventScanner, usage_of_body
 from shared.contracts.config import GatewayConfig
+from shared.metering import RequestOutcome
 from shared.openai_protocol import ENGINE_HEADER, SSE_DONE, APIError, service_unavailable
 from shared.projections.rows import InstanceRow
 from shared.telemetry import Telemetry

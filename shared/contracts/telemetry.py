@@ -97,10 +97,10 @@ class HistogramRecorder:
         self.total = 0.0
         self.maximum = 0.0
 
-    def record(self, value: float) -> None:
+    def record(self, value: float, times: int = 1) -> None:
         index = bucket_of(value)
-        self.counts[index] = self.counts.get(index, 0) + 1
-        self.total += value
+        self.counts[index] = self.counts.get(index, 0) + times
+        self.total += value * times
         if value > self.maximum:
             self.maximum = value
 

@@ -15,17 +15,17 @@ from aiohttp import web
 
 from services.gateway.client_stream import ClientStream
 from services.gateway.context import Refused, RequestContext
-from services.gateway.meter import RequestOutcome, RequestTrace
 from services.gateway.post_response import PostResponse
 from services.gateway.pre_request import PreRequest
-from services.gateway.proxy import Proxy
 from services.gateway.prompts import read_prompt
+from services.gateway.proxy import Proxy
 from services.gateway.routing import Ask
 from services.gateway.sessions import Sessions
 from shared.contracts.backends import BackendType
 from shared.contracts.config import AliasConfig, GatewayConfig
 from shared.contracts.events import event_registry
 from shared.eventlog.memory import MemoryEventStore
+from shared.metering import RequestOutcome, RequestTrace
 from shared.openai_protocol import ENGINE_HEADER, APIError
 from shared.telemetry import Telemetry
 from tests.gateway.stage_support import pool, row

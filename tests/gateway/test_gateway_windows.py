@@ -12,12 +12,12 @@ from datetime import datetime, timedelta, timezone
 import httpx
 import numpy as np
 import pytest
-
 from gateway_support import FAST, SLOW, EngineProcess, start_engine, wait_healthy
-from services.gateway.meter import AliasMeter, RequestOutcome, RequestTrace
+
 from services.gateway.sse import EventScanner
 from shared.contracts.states import RoutingState as R
 from shared.contracts.telemetry import GatewayWindow, LogHistogram, merge_windows
+from shared.metering import AliasMeter, RequestOutcome, RequestTrace
 
 STEADY = "steady"
 STEP_S = 0.02

@@ -29,10 +29,11 @@ async def test_the_lab_takes_the_pools_path_at_the_pools_times_with_its_latencie
     assert result["lost"] == {"pool": 0, "lab": 0} and result["answered"]["pool"] == result["answered"]["lab"] == len(trace)
     assert result["same_path"], result["switches"]
     assert [s["pool"] for s in result["switches"]][:2] == ["COLD->FAST_ONLY", "FAST_ONLY->WARMING_VLLM"]
-    assert all(abs(s["gap_s"]) <= 5.0 for s in result["switches"]), result["switches"]
-    # The pool is real processes sharing two cores with the test, the lab virtual time: on a slower host the pool's
-    # e2e p90 runs further above the lab's (0.34-0.353 over it in three runs on 2026-11-26, the version before,
-    # 794ccd0, measuring the same), hence the margin; the lab running the gateway's own admission should narrow it.
-    for q in ("p50", "p90"):
+    # Measured on 2026-11-26 (five runs, this version and the one before it, 7b55864, alternating): every switch
+    # within 2.7 s of the pool's (the pool's vLLM starts a process before its modelled 6 s), e2e p50 within 0.058 of
+    # the pool's, p90 within 0.30 (the pool is real processes sharing two cores with the test; the lab is virtual
+    # time), hence these margins.
+    assert all(abs(s["gap_s"]) <= 3.5 for s in result["switches"]), result["switches"]
+    for q, margin in (("p50", 0.15), ("p90", 0.4)):
         e2e = result["e2e"][q]
-        assert abs(e2e["lab"] / e2e["pool"] - 1) < 0.4, result["e2e"]
+        assert abs(e2e["lab"] / e2e["pool"] - 1) < margin, result["e2e"]
