@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from policy import decide  # noqa: E402
 from services.autoscaler.controller import collector_paused, tune_collector  # noqa: E402
 from services.autoscaler.facts import LiveFacts  # noqa: E402
-from services.autoscaler.snapshot import InstanceViews, build_snapshot  # noqa: E402
+from shared.projections.snapshot import InstanceViews, build_snapshot  # noqa: E402
 from shared.contracts.config import AliasConfig, PolicySettings  # noqa: E402
 from shared.contracts.control import PolicyState  # noqa: E402
 from shared.contracts.backends import Action, BackendType, EngineKind  # noqa: E402

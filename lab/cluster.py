@@ -48,14 +48,15 @@ from shared.contracts.control import (
     PlannedAction,
     PolicyState,
     StartFailure,
-    new_instance_view,
     new_snapshot,
 )
 from shared.contracts.effects import CommandEffect, EngineStep, effect_of
 from shared.contracts.states import IllegalTransition, InstanceState, RoutingState
-from shared.contracts.telemetry import merge_windows
 from shared.contracts.trace import TraceRequest
+from shared.contracts.telemetry import InstanceStatus, merge_windows
 from shared.metering import AliasMeter, RequestOutcome, RequestTrace
+from shared.projections.rows import InstanceRow
+from shared.projections.snapshot import instance_view
 
 S, R = InstanceState, RoutingState
 FAST, SLOW = BackendType.LLAMA_CPP, BackendType.VLLM
@@ -527,11 +528,16 @@ class Cluster:
         return view
 
     def _new_view(self, inst: LabInstance) -> InstanceView:
-        running = inst.state is S.RUNNING
-        return new_instance_view(
-            inst.instance_id, inst.backend, EngineKind.SIMULATOR, inst.worker_id, inst.state, _at(inst.since),
-            inst.sleep_level, inst.model.capacity if running or inst.sleep_level else None, inst.inflight,
-            _at(inst.last_active) if inst.last_active is not None else None, True, frozenset(), None, inst.role)
+        """The instance's row as the log would have it and its status as its worker would report it (capacity once the
+        engine has said it, kept while asleep), read by the autoscaler's own rules (`instance_view`)."""
+        capacity = inst.model.capacity if inst.state is S.RUNNING or inst.sleep_level else None
+        row = InstanceRow(inst.instance_id, self.alias.alias, inst.backend, EngineKind.SIMULATOR, inst.worker_id,
+                          inst.state, inst.sleep_level, 0, capacity, None, None, inst.role, "", _at(inst.since))
+        reported = InstanceStatus(
+            instance_id=inst.instance_id, alias=self.alias.alias, backend_type=inst.backend, engine=EngineKind.SIMULATOR,
+            status=inst.state, sleep_level=inst.sleep_level, inflight_requests=inst.inflight, capacity=capacity,
+            last_active_at=_at(inst.last_active) if inst.last_active is not None else None)
+        return instance_view(row, reported, worker_up=True, fresh=True, note=None)
 
     def _tick(self, now: float) -> None:
         self._level(now)

@@ -35,7 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from policy import decide
 from services.autoscaler.facts import LiveFacts
 from services.autoscaler.record import command_for, decision_events, subject_for
-from services.autoscaler.snapshot import InstanceViews, build_snapshot, recorded_state
+from shared.projections.snapshot import InstanceViews, build_snapshot, recorded_state
 from shared.bus.jetstream import publish
 from shared.bus.subjects import Subjects
 from shared.bus.telemetry import TelemetryBus

@@ -205,7 +205,7 @@ aliases:
 
 async def test_a_heteroscale_alias_places_prefill_and_decode_instances_and_reads_their_roles_back(
         store, bus, settings, telemetry, telemetry_bus, tmp_path):
-    from services.autoscaler.snapshot import instance_view
+    from shared.projections.snapshot import instance_view
     from shared.contracts.backends import Role
 
     path = tmp_path / "pool.yaml"

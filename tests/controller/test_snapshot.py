@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.autoscaler.facts import LiveFacts
-from services.autoscaler.snapshot import InstanceViews, instance_views
+from shared.projections.snapshot import InstanceViews, instance_views
 from shared.contracts.backends import Action, BackendType, EngineKind
 from shared.contracts.control import Decision, InstanceView, PolicyState, builder
 from shared.contracts.states import InstanceState
