@@ -38,7 +38,7 @@ from policy import decide  # noqa: E402
 from services.autoscaler.controller import collector_paused, tune_collector  # noqa: E402
 from services.autoscaler.facts import LiveFacts  # noqa: E402
 from shared.projections.snapshot import InstanceViews, build_snapshot  # noqa: E402
-from shared.contracts.config import AliasConfig, PolicySettings  # noqa: E402
+from shared.contracts.config import AliasConfig, ControllerConfig  # noqa: E402
 from shared.contracts.control import PolicyState  # noqa: E402
 from shared.contracts.backends import Action, BackendType, EngineKind  # noqa: E402
 from shared.contracts.states import InstanceState, RoutingState  # noqa: E402
@@ -130,14 +130,14 @@ def feed(facts: LiveFacts, configs, levels, heartbeats, now: datetime, rng: rand
                                        e2e_slow_s=e2e.snapshot()))
 
 
-def tick(configs, rows, routing, control, facts: LiveFacts, states, settings, now, views: InstanceViews,
+def tick(configs, rows, routing, control, facts: LiveFacts, states, controller, now, views: InstanceViews,
          changed: set[str]) -> list:
     views.begin(facts.statuses(), set(facts.heartbeats), facts.fresh_workers(now), facts.take_changes(), changed)
     decisions = []
     for config in configs:
         control_row = control[config.alias]
         snapshot = build_snapshot(
-            config=config, settings=settings, routing_row=routing[config.alias], control_row=control_row,
+            config=config, controller=controller, routing_row=routing[config.alias], control_row=control_row,
             instances=views.of(config.alias, rows[config.alias], control_row.notes),
             metrics=facts.metrics(config.alias, now), demand=facts.waiting(config.alias, now),
             state=states.get(config.alias) or PolicyState(), views=views,
@@ -209,7 +209,7 @@ def main() -> None:
     rng = random.Random(1)
     configs, rows, routing, control, heartbeats = build_pool(args.aliases, args.instances, rng)
     levels = {c.alias: rng.choice([0.0, 0.5, 2.0, 4.0, 12.0, 30.0, 60.0]) for c in configs}
-    settings = PolicySettings()
+    controller = ControllerConfig()
     facts = LiveFacts()
     views = InstanceViews()
     states: dict = {}
@@ -224,7 +224,7 @@ def main() -> None:
         counts.append(sum(len(r) for r in rows.values()))
         with collector_paused():  # as the autoscaler runs its ticks
             start = time.perf_counter()
-            decisions = tick(configs, rows, routing, control, facts, states, settings, now, views, changed)
+            decisions = tick(configs, rows, routing, control, facts, states, controller, now, views, changed)
             times.append((time.perf_counter() - start) * 1000)
         changed = set()
         for alias, decision in decisions:

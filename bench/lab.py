@@ -67,7 +67,7 @@ def lab_run(policy: str, workload: str, shape: dict[str, Any], sets: list[str], 
     alias, pool, lab = apply_sets(pool, None, parse_sets([f"autoscaling_policy={policy}", *sets]), LabSettings(seed=seed))
     if trace is None:
         _, trace = workloads.load(workload, seed, {k: str(v) for k, v in shape.items()})
-    return run(alias, pool.policy, lab, trace)
+    return run(alias, pool.controller, lab, trace)
 
 
 def brief(r: RunResult) -> dict[str, Any]:
@@ -105,14 +105,14 @@ def calibrated(seed: int) -> tuple[dict[str, Any], float | None, list[str]]:
     pool = load_lab_pool(str(ROOT / "config" / "lab.yaml"))
     alias, pool, lab = apply_sets(pool, None, parse_sets([]), lab)
     _, trace = workloads.load("diurnal", seed, {k: str(v) for k, v in compressed.items()})
-    best, history = search(alias, pool.policy, lab, trace, init.settings, rounds=8)
+    best, history = search(alias, pool.controller, lab, trace, init.params, rounds=8)
     say(f"calibrated on the compressed day in {len(history)} lab runs: {best}")
     return best, init.heteroscale_target_tps, init.derivation
 
 
 def memory(seed: int, best: dict[str, Any]) -> dict[str, Any]:
     _, trace = workloads.load("diurnal", seed, {k: str(v) for k, v in DAY.items()})
-    hybrid = lab_run("hybrid", "diurnal", DAY, [f"policy.{k}={v}" for k, v in best.items()], seed, trace)
+    hybrid = lab_run("hybrid", "diurnal", DAY, [f"hybrid.{k}={v}" for k, v in best.items()], seed, trace)
     default = lab_run("hybrid", "diurnal", DAY, [], seed, trace)
     say(f"hybrid calibrated: SLO {hybrid.summary['slo_attainment']:.2%}, {hybrid.summary['gpu_mem_s'] / 3600:.0f} GB·h; "
         f"defaults: {default.summary['slo_attainment']:.2%}, {default.summary['gpu_mem_s'] / 3600:.0f} GB·h")

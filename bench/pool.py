@@ -79,7 +79,7 @@ def pool_yaml(kind: str, fast_start_s: float, vllm_start_s: float, fast_max: int
     slow = (f"      vllm: {{model_name: {ALIAS}, model_path: /models/{ALIAS}, gpu_memory_gb: 12, min_replicas: 0, "
             f"max_replicas: 1, max_model_len: 4096, engine: simulator, engine_args: {{startup-s: {vllm_start_s:.1f}}}}}\n")
     backends = {"hybrid": fast + slow, "vllm": slow, "llamacpp": fast}[kind]
-    return f"policy: {{}}\naliases:\n  - alias: {ALIAS}\n    backends:\n{backends}"
+    return f"aliases:\n  - alias: {ALIAS}\n    backends:\n{backends}"
 
 
 # --------------------------------------------------------------------------- engine start times

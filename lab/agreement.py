@@ -25,6 +25,7 @@ from lab.config import LabSettings
 from lab.results import run
 from services.cluster.localpool import LocalPool
 from services.ops.trace_replay import Replay
+from shared.configuration import pool_config
 from shared.contracts.config import PoolConfig
 from shared.contracts.events import RoutingStateChanged
 from shared.contracts.trace import TraceRequest
@@ -64,7 +65,7 @@ def lab_run(pool_yaml: str, trace: list[TraceRequest], *, tick_s: float, window_
     pool = load_pool_config_text(pool_yaml)
     lab = LabSettings(tick_s=tick_s, window_s=window_s, workers=1, worker_gpu_memory_gb=worker_gb,
                       worker_slots=worker_slots, seed=seed, drain_s=0)
-    result = run(pool.aliases[0], pool.policy, lab, trace)
+    result = run(pool.aliases[0], pool.controller, lab, trace)
     answered = [s for s in result.served if s.lost is None]
     return {
         "ttft": [s.ttft for s in answered if s.ttft is not None],
@@ -93,4 +94,4 @@ def compare(pool: dict[str, Any], lab: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_pool_config_text(pool_yaml: str) -> PoolConfig:
-    return PoolConfig.model_validate(yaml.safe_load(pool_yaml))
+    return pool_config(yaml.safe_load(pool_yaml), source="the pool file", environ={})

@@ -12,12 +12,12 @@
    - lambda: the mean arrival rate, and how bursty arrivals are per window.
 2. The semi-analytic initial parameters (§13.7), with C = mu_f + mu_s (one of each):
    - lambda_up = C - sqrt(beta mu_s / (gamma m_s_act + kappa tau_s_start)), rho_up = lambda_up / C
-     -> HYBRID_ALPHA (the load share of a vLLM instance at which to add capacity);
-   - rho_down = rho_up - h -> HYBRID_BETA;
+     -> alpha (the load share of a vLLM instance at which to add capacity);
+   - rho_down = rho_up - h -> beta;
    - lambda_prepare = tau_s_start C_f^2 / (1 + tau_s_start C_f), C_f = mu_f
-     -> HYBRID_PREPARE_CONC = ceil(lambda_prepare / mu_f);
-   - HYBRID_DOWN_HOLD_S = 3 tau_s_start (the seed's 2-4 times);
-   - HYBRID_UP_CONSECUTIVE from the arrivals' burstiness (1 to 3).
+     -> prepare_conc = ceil(lambda_prepare / mu_f);
+   - down_hold_s = 3 tau_s_start (the seed's 2-4 times);
+   - up_consecutive from the arrivals' burstiness (1 to 3).
    HeteroScale's target_decode_tps_per_instance is 0.7 x the saturated decode rate (seed 001's tuning guide).
 3. Search around them in the lab on a given trace, one parameter at a time,
    keeping a change only when it lowers the objective of §13.4.
@@ -35,7 +35,8 @@ from lab.config import LabSettings, tier_models
 from lab.record import RunRecord
 from lab.results import run
 from shared.contracts.backends import BackendType
-from shared.contracts.config import AliasConfig, PolicySettings
+from shared.contracts.config import AliasConfig, ControllerConfig
+from shared.contracts.policies import HybridPolicyConfig
 from shared.contracts.states import InstanceState
 from shared.contracts.trace import TraceRequest
 
@@ -163,7 +164,8 @@ def _batch_time(seen: list[tuple[float, float, float]], capacity: int) -> tuple[
 
 @dataclass
 class Initial:
-    settings: dict[str, Any]
+    params: dict[str, Any]
+    """The hybrid policy's parameters (`autoscaling_policy` of a hybrid alias)."""
     derivation: list[str]
     heteroscale_target_tps: float | None = None
 
@@ -183,41 +185,42 @@ def initial_parameters(e: Estimates, beta: float, gamma: float, kappa: float, h:
     lines.append(f"lambda_up = C - sqrt(beta mu_s / (gamma m_s_act + kappa tau_s_start)) = {c:.4g} - sqrt({beta:g} x "
                  f"{e.mu_s:.4g} / ({gamma:g} x {e.m_s_act:g} + {kappa:g} x {e.tau_s_start:.4g})) = {lam_up:.4g}")
     lines.append(f"rho_up = lambda_up / C = {lam_up / c:.3f}" + (f" -> clipped to {rho_up:.2f}" if rho_up != lam_up / c else "")
-                 + " -> HYBRID_ALPHA")
+                 + " -> alpha")
     rho_down = max(0.05, rho_up - h)
-    lines.append(f"rho_down = rho_up - h = {rho_up:.3f} - {h:g} = {rho_down:.3f} -> HYBRID_BETA")
+    lines.append(f"rho_down = rho_up - h = {rho_up:.3f} - {h:g} = {rho_down:.3f} -> beta")
     c_f = e.mu_f
     lam_prepare = e.tau_s_start * c_f ** 2 / (1 + e.tau_s_start * c_f)
     prepare = max(1, math.ceil(lam_prepare / e.mu_f))
     lines.append(f"lambda_prepare = tau_s_start C_f^2 / (1 + tau_s_start C_f) = {e.tau_s_start:.4g} x {c_f:.4g}^2 / "
-                 f"(1 + {e.tau_s_start:.4g} x {c_f:.4g}) = {lam_prepare:.4g} -> HYBRID_PREPARE_CONC = "
+                 f"(1 + {e.tau_s_start:.4g} x {c_f:.4g}) = {lam_prepare:.4g} -> prepare_conc = "
                  f"ceil({lam_prepare:.4g} / mu_f) = {prepare}")
     hold = round(3 * e.tau_s_start, 1)
-    lines.append(f"HYBRID_DOWN_HOLD_S = 3 x tau_s_start = {hold:g} s")
+    lines.append(f"down_hold_s = 3 x tau_s_start = {hold:g} s")
     up = 1 if e.burstiness < 0.3 else 2 if e.burstiness < 0.7 else 3
-    lines.append(f"HYBRID_UP_CONSECUTIVE = {up} (arrivals per window vary by {e.burstiness:.2f} of their mean)")
+    lines.append(f"up_consecutive = {up} (arrivals per window vary by {e.burstiness:.2f} of their mean)")
     target = round(0.7 * e.saturated_decode_tps, 1) if e.saturated_decode_tps else None
     if target:
         lines.append(f"heteroscale target_decode_tps_per_instance = 0.7 x {e.saturated_decode_tps:.4g} = {target:g}")
-    settings = {"HYBRID_ALPHA": round(rho_up, 2), "HYBRID_BETA": round(min(rho_down, rho_up), 2),
-                "HYBRID_PREPARE_CONC": prepare, "HYBRID_DOWN_HOLD_S": hold, "HYBRID_UP_CONSECUTIVE": up}
-    return Initial(settings, lines, target)
+    params = {"alpha": round(rho_up, 2), "beta": round(min(rho_down, rho_up), 2), "prepare_conc": prepare,
+              "down_hold_s": hold, "up_consecutive": up}
+    return Initial(params, lines, target)
 
 
 SEARCH_STEPS: dict[str, Callable[[Any], list[Any]]] = {
-    "HYBRID_ALPHA": lambda v: [round(v - 0.1, 2), round(v + 0.1, 2)],
-    "HYBRID_PREPARE_CONC": lambda v: [v - 1, v + 1],
-    "HYBRID_DOWN_HOLD_S": lambda v: [round(v / 2, 1), round(v * 2, 1)],
-    "HYBRID_UP_CONSECUTIVE": lambda v: [v - 1, v + 1],
+    "alpha": lambda v: [round(v - 0.1, 2), round(v + 0.1, 2)],
+    "prepare_conc": lambda v: [v - 1, v + 1],
+    "down_hold_s": lambda v: [round(v / 2, 1), round(v * 2, 1)],
+    "up_consecutive": lambda v: [v - 1, v + 1],
 }
 
 
-def search(alias: AliasConfig, base: PolicySettings, lab: LabSettings, trace: list[TraceRequest],
+def search(alias: AliasConfig, controller: ControllerConfig, lab: LabSettings, trace: list[TraceRequest],
            start: dict[str, Any], rounds: int = 2,
            on_run: Callable[[dict[str, Any], dict[str, Any]], None] | None = None) -> tuple[dict[str, Any], list[dict]]:
-    """Coordinate search: each parameter in turn, its neighbours tried, the best objective kept."""
-    hybrid = alias.model_copy(update={"autoscaling_policy": alias.autoscaling_policy.__class__.model_validate(
-        {"name": "hybrid"})}) if alias.autoscaling_policy.name != "hybrid" else alias
+    """Coordinate search over the hybrid's parameters (from the alias's own, if it is hybrid): each parameter in
+    turn, its neighbours tried, the best objective kept."""
+    own = alias.autoscaling_policy
+    base = own.model_dump() if isinstance(own, HybridPolicyConfig) else HybridPolicyConfig().model_dump()
     tried: dict[tuple, dict[str, Any]] = {}
     history: list[dict] = []
 
@@ -225,11 +228,12 @@ def search(alias: AliasConfig, base: PolicySettings, lab: LabSettings, trace: li
         key = tuple(sorted(params.items()))
         if key not in tried:
             try:
-                settings = base.model_validate({**base.model_dump(), **params})
+                hybrid = alias.model_copy(update={"autoscaling_policy": HybridPolicyConfig.model_validate(
+                    {**base, **params})})
             except ValueError:
                 tried[key] = {"objective": math.inf}
                 return math.inf
-            summary = run(hybrid, settings, lab, trace).summary
+            summary = run(hybrid, controller, lab, trace).summary
             tried[key] = summary
             history.append({"params": dict(params), **{k: summary[k] for k in (
                 "objective", "slo_attainment", "gpu_mem_s", "scale_actions", "lost")}})
@@ -244,8 +248,8 @@ def search(alias: AliasConfig, base: PolicySettings, lab: LabSettings, trace: li
         for name, neighbours in SEARCH_STEPS.items():
             for value in neighbours(best[name]):
                 candidate = {**best, name: value}
-                if name == "HYBRID_ALPHA":
-                    candidate["HYBRID_BETA"] = round(max(0.05, value - H), 2)
+                if name == "alpha":
+                    candidate["beta"] = round(max(0.05, value - H), 2)
                 s = score(candidate)
                 if s < best_score - 1e-9:
                     best, best_score, improved = candidate, s, True
@@ -254,10 +258,11 @@ def search(alias: AliasConfig, base: PolicySettings, lab: LabSettings, trace: li
     return best, history
 
 
-def fragment(settings: dict[str, Any], target_tps: float | None, derivation: list[str], source: str) -> str:
+def fragment(params: dict[str, Any], target_tps: float | None, derivation: list[str], source: str) -> str:
+    """The alias's `autoscaling_policy` line for its pool-file entry, with how each value was found."""
     lines = [f"# modelpool calibrate: from {source}; seed 000 §13.7's initial values, searched in the lab.", "#"]
     lines += [f"#   {line}" for line in derivation]
-    lines += ["policy:"] + [f"  {k}: {v}" for k, v in settings.items()]
+    lines += ["autoscaling_policy: {name: hybrid, " + ", ".join(f"{k}: {v}" for k, v in params.items()) + "}"]
     if target_tps:
         lines += ["# for an alias under HeteroScale:", f"#   autoscaling_policy: {{name: heteroscale, "
                   f"target_decode_tps_per_instance: {target_tps:g}}}"]

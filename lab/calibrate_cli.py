@@ -4,7 +4,7 @@
     modelpool calibrate --record results/run/record-hybrid.json --workload diurnal      # a lab run's record
 
 Prints the estimates, the derivation of seed 000 §13.7 and the search, and
-writes a pool-file fragment (`policy:` settings) to `--out`.
+writes the alias's pool-file fragment (its hybrid `autoscaling_policy`) to `--out`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
     print("\nseed 000 §13.7, initial values:")
     for line in init.derivation:
         print(f"  {line}")
-    best = init.settings
+    best = init.params
     if args.rounds > 0:
         name, trace = workloads.load(args.workload, args.seed, sets["workload"])
         print(f"\nsearch in the lab on {name} ({len(trace)} requests), objective weights alpha {o.alpha:g}, "
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
             print(f"  {params}: objective {summary['objective']:.4f}, SLO {summary['slo_attainment']:.1%}, "
                   f"{summary['gpu_mem_s'] / 3600:.1f} GB·h, {summary['scale_actions']} scale actions", flush=True)
 
-        best, _ = search(alias, pool.policy, lab, trace, init.settings, args.rounds, on_run=show)
+        best, _ = search(alias, pool.controller, lab, trace, init.params, args.rounds, on_run=show)
         print(f"\nbest: {best}")
     text = fragment(best, init.heteroscale_target_tps, init.derivation, source)
     if args.out:

@@ -27,7 +27,8 @@ from tqdm import tqdm
 from lab import workloads
 from lab.config import LabSettings, apply_sets, load_lab_pool, parse_sets
 from lab.results import RunResult, run
-from shared.contracts.config import POLICY_NAMES, ConfigError
+from shared.contracts.config import ConfigError
+from shared.contracts.policies import POLICY_NAMES
 
 DEFAULT_POOL = "config/lab.yaml"
 
@@ -78,7 +79,7 @@ def run_policies(args: argparse.Namespace, policies: list[str]) -> tuple[str, li
             if bar is not None:
                 bar.update(max(0, min(round(t), bar.total) - bar.n))
 
-        result = run(alias, pool_for_run.policy, lab, trace, progress=progress,
+        result = run(alias, pool_for_run.controller, lab, trace, progress=progress,
                      on_decision=print_decision if args.debug else None)
         if bar is not None:
             bar.update(bar.total - bar.n)

@@ -39,7 +39,7 @@ from routing.registry import build_scheduler
 from routing.scheduler import Endpoint, RoutingRequest, SessionState
 from policy.placement import Placed, PlacementRequest, WorkerView, place
 from shared.contracts.backends import Action, BackendType, EngineKind, Role
-from shared.contracts.config import AliasConfig, PolicySettings
+from shared.contracts.config import AliasConfig, ControllerConfig
 from shared.contracts.control import (
     Decision,
     InstanceView,
@@ -140,11 +140,11 @@ class Window:
 
 
 class Cluster:
-    def __init__(self, alias: AliasConfig, settings: PolicySettings, tiers: dict[BackendType, TierModel],
+    def __init__(self, alias: AliasConfig, controller: ControllerConfig, tiers: dict[BackendType, TierModel],
                  lab: LabSettings, trace: list[TraceRequest], *, progress: Callable[[float], None] | None = None,
                  on_decision: Callable[[float, Decision], None] | None = None) -> None:
         self.alias = alias
-        self.settings = settings
+        self.controller = controller
         self.tiers = tiers
         self.lab = lab
         self.rng = random.Random(lab.seed)
@@ -543,7 +543,7 @@ class Cluster:
         self._level(now)
         held = len(self.queue) if not self._routable() else 0
         snapshot = new_snapshot(
-            alias=self.alias.alias, version=self.version, config=self.alias, settings=self.settings,
+            alias=self.alias.alias, version=self.version, config=self.alias, controller=self.controller,
             routing_state=self.routing, routing_since=_at(self.routing_since) if self.routing_since is not None else None,
             mix_weight=self.mix_weight, targets=dict(self.targets), state=self.state,
             instances=tuple(self._view(i) for _, i in sorted(self.instances.items())),

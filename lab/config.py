@@ -1,8 +1,8 @@
 """What a lab run is set up from: the pool file's alias, the lab's own settings, and `--set` overrides.
 
     --set autoscaling_policy=heteroscale            choose the alias's policy (seed 001's style)
-    --set autoscaling_policy.pd_ratio=0.5           one of its parameters
-    --set policy.HYBRID_ALPHA=0.6                    a pool-wide hybrid setting
+    --set autoscaling_policy.pd_ratio=0.5           one of its parameters (`hybrid.alpha=0.6` the hybrid's)
+    --set controller.start_retry_s=10               the controller's section
     --set lab.tick_s=5  --set workload.peak_rate=12  the lab's settings, the workload's parameters
     --set heteroscale.pd_ratio=0.5                   a parameter of one policy only (for `lab compare`)
 
@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from lab.instance import TierModel
 from services.engines.simulated.config import EngineConfig
 from shared.contracts.backends import BackendType
-from shared.contracts.config import POLICY_NAMES, AliasConfig, ConfigError, PoolConfig, load_pool_config
+from shared.configuration import load_pool_config
+from shared.contracts.config import AliasConfig, ConfigError, PoolConfig
+from shared.contracts.policies import POLICY_NAMES
 
 
 class Objective(BaseModel):
@@ -72,10 +74,8 @@ def tier_models(alias: AliasConfig) -> dict[BackendType, TierModel]:
             args.setdefault("max_model_len", cfg.max_model_len)
         try:
             engine = EngineConfig.resolve(backend.value, env={}, **args)  # type: ignore[arg-type]
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            raise ConfigError(f"backends.{backend.value}.engine_args.{error['loc'][0] if error['loc'] else ''}",
-                              error["msg"]) from None
+        except ConfigError as exc:
+            raise ConfigError(f"backends.{backend.value}.engine_args.{exc.field}", exc.message) from None
         capacity = engine.max_num_seqs if backend is BackendType.LLAMA_CPP else max(1, engine.kv_tokens // engine.max_model_len)
         out[backend] = TierModel(
             startup_s=engine.startup_s, wake_l1_s=engine.wake_l1_s, wake_l2_s=engine.wake_l2_s,
@@ -97,7 +97,7 @@ def _value(text: str) -> Any:
 
 def parse_sets(sets: Iterable[str]) -> dict[str, dict[str, Any]]:
     """`section.key=value` strings by section (`autoscaling_policy=NAME` chooses the policy)."""
-    out: dict[str, dict[str, Any]] = {"autoscaling_policy": {}, "policy": {}, "lab": {}, "workload": {}, "router": {},
+    out: dict[str, dict[str, Any]] = {"autoscaling_policy": {}, "controller": {}, "lab": {}, "workload": {}, "router": {},
                                       **{name: {} for name in POLICY_NAMES}}
     for item in sets:
         if "=" not in item:
@@ -134,8 +134,8 @@ def apply_sets(pool: PoolConfig, alias_name: str | None, sets: dict[str, dict[st
             del loc[1]  # the union's tag (the policy's name), not a field the user wrote
         raise ConfigError(".".join(loc), error["msg"], "--set") from None
     try:
-        pool = pool.model_copy(update={"policy": pool.policy.model_validate(
-            {**pool.policy.model_dump(), **sets.get("policy", {})})})
+        pool = pool.model_copy(update={"controller": pool.controller.model_validate(
+            {**pool.controller.model_dump(), **sets.get("controller", {})})})
         base = (lab or LabSettings()).model_dump()
         for key, value in _nested(sets.get("lab", {})).items():
             base[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value

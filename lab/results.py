@@ -13,7 +13,7 @@ import numpy as np
 from lab.cluster import Cluster, LogLine, Sample, Served
 from lab.config import LabSettings, tier_models
 from lab.record import RunRecord
-from shared.contracts.config import AliasConfig, PolicySettings
+from shared.contracts.config import AliasConfig, ControllerConfig
 from shared.contracts.control import Decision
 from shared.contracts.trace import TraceRequest
 
@@ -29,11 +29,11 @@ class RunResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def run(alias: AliasConfig, settings: PolicySettings, lab: LabSettings, trace: list[TraceRequest], *,
+def run(alias: AliasConfig, controller: ControllerConfig, lab: LabSettings, trace: list[TraceRequest], *,
         progress: Callable[[float], None] | None = None,
         on_decision: Callable[[float, Decision], None] | None = None) -> RunResult:
     tiers = tier_models(alias)
-    cluster = Cluster(alias, settings, tiers, lab, trace, progress=progress, on_decision=on_decision)
+    cluster = Cluster(alias, controller, tiers, lab, trace, progress=progress, on_decision=on_decision)
     started = time.perf_counter()
     cluster.run()
     wall = time.perf_counter() - started

@@ -19,7 +19,7 @@ from policy.load import Load
 from policy.replicas import Count, ReplicaPolicy, served_inflight
 from policy.text import fmt
 from shared.contracts.backends import BackendType
-from shared.contracts.config import LatencyConfig, PeriodicConfig, UtilizationConfig
+from shared.contracts.policies import LatencyConfig, PeriodicConfig, UtilizationConfig
 from shared.contracts.control import AliasSnapshot
 from shared.contracts.states import InstanceState
 

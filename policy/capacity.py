@@ -26,7 +26,7 @@ def c_down(beta: float, c_vllm: int) -> int:
 
 
 def c_prepare(prepare_conc: int, c_up_value: int) -> int:
-    """§5.2: C_prepare = min(HYBRID_PREPARE_CONC, C_up), the early warm-up trigger."""
+    """§5.2: C_prepare = min(prepare_conc, C_up), the early warm-up trigger."""
     return min(prepare_conc, c_up_value)
 
 

@@ -29,7 +29,7 @@ from policy.load import Load
 from policy.replicas import Count, D, P, ReplicaPolicy, grown, nearest
 from policy.text import fmt
 from shared.contracts.backends import BackendType
-from shared.contracts.config import HeteroScaleConfig
+from shared.contracts.policies import HeteroScaleConfig
 from shared.contracts.control import AliasSnapshot
 
 

@@ -4,13 +4,13 @@ Routing state machine (§4.1), one step per tick at most:
 
     COLD --first demand--> FAST_ONLY --N_up windows of load--> WARMING_VLLM
       --N_ready healthy probes--> MIXED (20 -> 50 -> 80 -> 100 %) --ramp done--> VLLM_PRIMARY
-      --low load for HYBRID_DOWN_HOLD_S, vLLM idle--> FAST_ONLY --idle, min_replicas 0--> COLD
+      --low load for down_hold_s, vLLM idle--> FAST_ONLY --idle, min_replicas 0--> COLD
     any state --vLLM failed to start / unhealthy / warm timeout / timeouts--> DEGRADED_FAST
       --retry window, load still high--> WARMING_VLLM   (--load gone--> FAST_ONLY)
 
 Capacities (§5.1): C_vllm from the instances' reported capacity, else
 floor(T_kv / T_req); C_eff = floor(alpha C_vllm), C_up = max(1, C_eff),
-C_down = max(1, floor(beta C_vllm)), C_prepare = min(HYBRID_PREPARE_CONC, C_up).
+C_down = max(1, floor(beta C_vllm)), C_prepare = min(prepare_conc, C_up).
 The fast tier is sized by L_target = max(L_floor, ceil(max(0, inflight_total - C_eff) / C_l)),
 C_eff being what the serving vLLM instances take. Surplus vLLM instances sleep by
 idleness (§5.4: SLEEP_1, SLEEP_2, then drain + delete); surplus llama.cpp ones are
@@ -19,8 +19,8 @@ asked to sleep too, which the capability matrix turns into drain + delete (§3.2
 Two readings of the seed, said here once:
 - "low load" for VLLM_PRIMARY -> FAST_ONLY is inflight_total < min(C_down, C_prepare):
   strictly below the warm-up trigger, or the two would chase each other;
-- the MIXED ramp holds each weight HYBRID_MIX_STEP_S and steps on only while vLLM
-  is healthy, within HYBRID_E2E_SLA_S and without errors in the window.
+- the MIXED ramp holds each weight mix_step_s and steps on only while vLLM
+  is healthy, within e2e_sla_s and without errors in the window.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from policy.coldstart import first_serving
 from policy.load import Load, load_of
 from policy.text import fmt
 from shared.contracts.backends import BackendType
-from shared.contracts.config import PolicySettings
 from shared.contracts.control import (
     AliasSnapshot,
     ColdStart,
@@ -49,12 +48,20 @@ from shared.contracts.control import (
     RoutingChange,
     evolve,
 )
+from shared.contracts.policies import HybridPolicyConfig
 from shared.contracts.states import InstanceState, RoutingState
 
 FAST, SLOW = BackendType.LLAMA_CPP, BackendType.VLLM
 R = RoutingState
 RUNNING, ERROR = InstanceState.RUNNING, InstanceState.ERROR
 DEFAULT_REQUEST_TOKENS = 4096
+DEFAULTS = HybridPolicyConfig()
+
+
+def hybrid_config(s: AliasSnapshot) -> HybridPolicyConfig:
+    """The alias's hybrid parameters (the defaults while it runs another policy: its state is still read)."""
+    policy = s.config.autoscaling_policy
+    return policy if isinstance(policy, HybridPolicyConfig) else DEFAULTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +81,13 @@ class Capacity:
 
 
 def capacity_of(s: AliasSnapshot, memory: HybridState) -> Capacity:
-    cfg = s.settings
+    cfg = hybrid_config(s)
     fast_reported = max((i.capacity or 0 for i in s.of(FAST)), default=0)
     slow_reported = max((i.capacity or 0 for i in s.of(SLOW)), default=0)
     slow_cfg = s.config.backends.get(SLOW)
-    return _capacity(fast_reported, slow_reported, memory.fast_capacity, memory.vllm_capacity, cfg.LLAMA_C_L,
-                     cfg.HYBRID_REQUEST_TOKENS or (slow_cfg.max_model_len if slow_cfg else None) or DEFAULT_REQUEST_TOKENS,
-                     cfg.HYBRID_VLLM_KV_TOKENS, cfg.HYBRID_ALPHA, cfg.HYBRID_BETA, cfg.HYBRID_PREPARE_CONC)
+    return _capacity(fast_reported, slow_reported, memory.fast_capacity, memory.vllm_capacity, cfg.llama_c_l,
+                     cfg.request_tokens or (slow_cfg.max_model_len if slow_cfg else None) or DEFAULT_REQUEST_TOKENS,
+                     cfg.vllm_kv_tokens, cfg.alpha, cfg.beta, cfg.prepare_conc)
 
 
 @lru_cache(maxsize=1024)  # the same few capacities at every tick of every alias
@@ -150,7 +157,7 @@ class HybridPolicy:
     3: the vLLM tier keeps an instance until the load falls below C_down per instance (§5.1's hysteresis)."""
 
     def propose(self, s: AliasSnapshot, now: datetime, new_window: bool) -> Proposal:
-        cfg = s.settings
+        cfg = hybrid_config(s)
         load = load_of(s)
         memory = s.state.policy if isinstance(s.state.policy, HybridState) else HybridState()  # the alias changed policy
         cap = capacity_of(s, memory)
@@ -176,7 +183,7 @@ class HybridPolicy:
         if step.mix:
             weight = step.mix.to_weight
         elif state is R.MIXED:
-            weight = s.mix_weight if s.routing_state is R.MIXED else cfg.HYBRID_MIX_WEIGHTS[0] / 100
+            weight = s.mix_weight if s.routing_state is R.MIXED else cfg.mix_weights[0] / 100
         else:
             weight = 1.0 if state is R.VLLM_PRIMARY else 0.0
         return Proposal(
@@ -192,15 +199,15 @@ class HybridPolicy:
     # ------------------------------------------------------------------ signals
 
     @staticmethod
-    def _up_signals(load: Load, cap: Capacity, cfg: PolicySettings) -> tuple[bool, bool, bool, bool]:
+    def _up_signals(load: Load, cap: Capacity, cfg: HybridPolicyConfig) -> tuple[bool, bool, bool, bool]:
         """§4.1 item 2 and the §5.2 early trigger: which of them this window shows (worded by `_up_reasons`
         only when a decision tells them)."""
         return (load.fast_demand >= cap.c_up, load.total >= cap.c_prepare,
-                load.queue_wait_p95 is not None and load.queue_wait_p95 > cfg.HYBRID_QUEUE_SLA_S,
-                load.e2e_p95_fast is not None and load.e2e_p95_fast > cfg.HYBRID_E2E_SLA_S)
+                load.queue_wait_p95 is not None and load.queue_wait_p95 > cfg.queue_sla_s,
+                load.e2e_p95_fast is not None and load.e2e_p95_fast > cfg.e2e_sla_s)
 
     @classmethod
-    def _up_reasons(cls, load: Load, cap: Capacity, cfg: PolicySettings) -> list[str]:
+    def _up_reasons(cls, load: Load, cap: Capacity, cfg: HybridPolicyConfig) -> list[str]:
         fast, total, queue, e2e = cls._up_signals(load, cap, cfg)
         reasons = []
         if fast:
@@ -209,14 +216,14 @@ class HybridPolicy:
         if total:
             reasons.append(f"inflight_total {fmt(load.total)} >= C_prepare {cap.c_prepare}")
         if queue:
-            reasons.append(f"queue_wait_p95 {fmt(load.queue_wait_p95)} s > {fmt(cfg.HYBRID_QUEUE_SLA_S)} s")
+            reasons.append(f"queue_wait_p95 {fmt(load.queue_wait_p95)} s > {fmt(cfg.queue_sla_s)} s")
         if e2e:
-            reasons.append(f"e2e_p95_fast {fmt(load.e2e_p95_fast)} s > {fmt(cfg.HYBRID_E2E_SLA_S)} s")
+            reasons.append(f"e2e_p95_fast {fmt(load.e2e_p95_fast)} s > {fmt(cfg.e2e_sla_s)} s")
         return reasons
 
     @staticmethod
     def _hybrid(s: AliasSnapshot) -> bool:
-        return s.settings.HYBRID_ENABLE and FAST in s.config.backends and SLOW in s.config.backends
+        return hybrid_config(s).enable and FAST in s.config.backends and SLOW in s.config.backends
 
     @staticmethod
     def _slow_failure(s: AliasSnapshot, since: datetime | None) -> str | None:
@@ -249,17 +256,17 @@ class HybridPolicy:
 
     def _fast_only(self, t: _Tick, memory: HybridState) -> _Step:
         s, now, cap = t.s, t.now, t.cap
-        cfg = s.settings
-        if self._hybrid(s) and memory.up_windows >= cfg.HYBRID_UP_CONSECUTIVE:
+        cfg = hybrid_config(s)
+        if self._hybrid(s) and memory.up_windows >= cfg.up_consecutive:
             return _Step(evolve(memory, warming_since=now, ready_probes=0), R.WARMING_VLLM,
                          f"{memory.up_windows} consecutive windows with {'; '.join(self._up_reasons(t.load, cap, cfg))} "
                          f"({cap.describe()})")
         outlook: list[NextStep] = []
         if self._hybrid(s) and memory.up_windows:
-            outlook.append(NextStep(f"WARMING_VLLM after {cfg.HYBRID_UP_CONSECUTIVE - memory.up_windows} more "
+            outlook.append(NextStep(f"WARMING_VLLM after {cfg.up_consecutive - memory.up_windows} more "
                                     f"window(s) with {'; '.join(self._up_reasons(t.load, cap, cfg)) or 'load'}"))
         if memory.idle_since is not None and all(b.min_replicas == 0 for b in s.config.backends.values()):
-            cold_at = memory.idle_since + timedelta(seconds=cfg.HYBRID_COLD_IDLE_S)
+            cold_at = memory.idle_since + timedelta(seconds=cfg.cold_idle_s)
             if now >= cold_at:
                 return _Step(evolve(memory, up_windows=0), R.COLD,
                              f"no request for {fmt(_seconds(now - memory.idle_since))} s and min_replicas 0")
@@ -268,46 +275,46 @@ class HybridPolicy:
 
     def _warming(self, t: _Tick, memory: HybridState) -> _Step:
         s, now = t.s, t.now
-        cfg = s.settings
+        cfg = hybrid_config(s)
         since = memory.warming_since or s.routing_since or now
         failed = self._slow_failure(s, since)
         if failed:
             return self._degrade(memory, now, failed)
-        timeout_at = since + timedelta(seconds=cfg.HYBRID_VLLM_WARM_TIMEOUT_S)
+        timeout_at = since + timedelta(seconds=cfg.vllm_warm_timeout_s)
         ready = t.ready
         probes = (memory.ready_probes + 1 if ready else 0) if t.counted else memory.ready_probes
         if (probes, since) != (memory.ready_probes, memory.warming_since):
             memory = evolve(memory, ready_probes=probes, warming_since=since)
-        if probes >= cfg.HYBRID_READY_PROBES:
+        if probes >= cfg.ready_probes:
             return _Step(evolve(memory, mix_step_since=now), R.MIXED,
                          f"vLLM {ready[0].instance_id} healthy in {probes} consecutive probes; "
-                         f"{cfg.HYBRID_MIX_WEIGHTS[0]} % of traffic to vLLM")
+                         f"{cfg.mix_weights[0]} % of traffic to vLLM")
         if now > timeout_at:
-            return self._degrade(memory, now, f"vLLM not ready after {fmt(cfg.HYBRID_VLLM_WARM_TIMEOUT_S)} s "
+            return self._degrade(memory, now, f"vLLM not ready after {fmt(cfg.vllm_warm_timeout_s)} s "
                                               f"(HYBRID_VLLM_WARM_TIMEOUT_S)")
         return _Step(memory, outlook=(
-            NextStep(f"MIXED after {cfg.HYBRID_READY_PROBES - probes} more healthy probe(s) of vLLM"),
+            NextStep(f"MIXED after {cfg.ready_probes - probes} more healthy probe(s) of vLLM"),
             NextStep("DEGRADED_FAST if vLLM is not ready", timeout_at),
         ))
 
     def _mixed(self, t: _Tick, memory: HybridState) -> _Step:
         s, now, load = t.s, t.now, t.load
-        cfg = s.settings
+        cfg = hybrid_config(s)
         trouble = self._serving_trouble(t, memory)
         if trouble:
             return self._degrade(memory, now, trouble)
         weight = s.mix_weight
         step_since = memory.mix_step_since or s.routing_since or now
-        next_at = step_since + timedelta(seconds=cfg.HYBRID_MIX_STEP_S)
+        next_at = step_since + timedelta(seconds=cfg.mix_step_s)
         held = self._sla_breach(load, cfg)
-        upcoming = [w / 100 for w in cfg.HYBRID_MIX_WEIGHTS if w / 100 > weight + 1e-9]
+        upcoming = [w / 100 for w in cfg.mix_weights if w / 100 > weight + 1e-9]
         if now < next_at or held:
             what = f"{int(upcoming[0] * 100)} % to vLLM" if upcoming else "VLLM_PRIMARY"
             note = f"{what} if vLLM stays healthy and within SLA" if not held else f"{what} held: {held}"
             if memory.mix_step_since != step_since:
                 memory = evolve(memory, mix_step_since=step_since)
             return _Step(memory, outlook=(NextStep(note, max(now, next_at)),))
-        ready = f"vLLM healthy, e2e_p95 {fmt(load.e2e_p95_slow)} s <= {fmt(cfg.HYBRID_E2E_SLA_S)} s"
+        ready = f"vLLM healthy, e2e_p95 {fmt(load.e2e_p95_slow)} s <= {fmt(cfg.e2e_sla_s)} s"
         if upcoming:
             change = MixChange(weight, upcoming[0], f"held {int(round(weight * 100))} % for "
                                                     f"{fmt(_seconds(now - step_since))} s, {ready}")
@@ -317,7 +324,7 @@ class HybridPolicy:
 
     def _vllm_primary(self, t: _Tick, memory: HybridState) -> _Step:
         s, now, load, cap = t.s, t.now, t.load, t.cap
-        cfg = s.settings
+        cfg = hybrid_config(s)
         hybrid = self._hybrid(s)
         if hybrid:
             trouble = self._serving_trouble(t, memory)
@@ -331,9 +338,9 @@ class HybridPolicy:
         if not hybrid and not s.of(SLOW) and not load.busy:
             return _Step(evolve(memory, low_load_since=None), R.COLD, "no vLLM instance left and no request (no fast tier)")
         if low_since is None:
-            return _Step(memory, outlook=(NextStep(f"FAST_ONLY after {fmt(cfg.HYBRID_DOWN_HOLD_S)} s "
+            return _Step(memory, outlook=(NextStep(f"FAST_ONLY after {fmt(cfg.down_hold_s)} s "
                                                    f"of inflight_total < {threshold}"),))
-        down_at = low_since + timedelta(seconds=cfg.HYBRID_DOWN_HOLD_S)
+        down_at = low_since + timedelta(seconds=cfg.down_hold_s)
         if hybrid and now >= down_at and load.inflight_slow == 0:
             return _Step(evolve(memory, low_load_since=None), R.FAST_ONLY,
                          f"inflight_total {fmt(load.total)} < {threshold} (min(C_down, C_prepare)) for "
@@ -343,19 +350,19 @@ class HybridPolicy:
 
     def _degraded(self, t: _Tick, memory: HybridState) -> _Step:
         s, now = t.s, t.now
-        cfg = s.settings
+        cfg = hybrid_config(s)
         since = memory.degraded_at or s.routing_since or now
-        retry_at = since + timedelta(seconds=cfg.HYBRID_RETRY_S)
+        retry_at = since + timedelta(seconds=cfg.retry_s)
         if memory.degraded_at != since:
             memory = evolve(memory, degraded_at=since)
         if now < retry_at:
             return _Step(memory, outlook=(NextStep("retry vLLM (WARMING_VLLM) if load still calls for it", retry_at),))
-        if memory.up_windows >= cfg.HYBRID_UP_CONSECUTIVE:
+        if memory.up_windows >= cfg.up_consecutive:
             return _Step(evolve(memory, degraded_at=None, degraded_reason="", warming_since=now, ready_probes=0),
-                         R.WARMING_VLLM, f"retry window of {fmt(cfg.HYBRID_RETRY_S)} s reached and load still calls "
+                         R.WARMING_VLLM, f"retry window of {fmt(cfg.retry_s)} s reached and load still calls "
                                          f"for vLLM: {'; '.join(self._up_reasons(t.load, t.cap, cfg))}")
         return _Step(evolve(memory, degraded_at=None, degraded_reason=""), R.FAST_ONLY,
-                     f"retry window of {fmt(cfg.HYBRID_RETRY_S)} s reached; load no longer calls for vLLM")
+                     f"retry window of {fmt(cfg.retry_s)} s reached; load no longer calls for vLLM")
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -364,16 +371,16 @@ class HybridPolicy:
         if not t.ready:
             failed = self._slow_failure(s, None)
             return f"vLLM unhealthy: no healthy running instance ({failed or 'none reporting'})"
-        if memory.timeout_windows >= s.settings.HYBRID_TIMEOUT_WINDOWS:
+        if memory.timeout_windows >= hybrid_config(s).timeout_windows:
             return f"vLLM errors or timeouts in {memory.timeout_windows} consecutive windows"
         return None
 
     @staticmethod
-    def _sla_breach(load: Load, cfg: PolicySettings) -> str | None:
+    def _sla_breach(load: Load, cfg: HybridPolicyConfig) -> str | None:
         if load.slow_failures:
             return f"{load.slow_failures} vLLM error(s) in the window"
-        if load.e2e_p95_slow is not None and load.e2e_p95_slow > cfg.HYBRID_E2E_SLA_S:
-            return f"vLLM e2e_p95 {fmt(load.e2e_p95_slow)} s > {fmt(cfg.HYBRID_E2E_SLA_S)} s"
+        if load.e2e_p95_slow is not None and load.e2e_p95_slow > cfg.e2e_sla_s:
+            return f"vLLM e2e_p95 {fmt(load.e2e_p95_slow)} s > {fmt(cfg.e2e_sla_s)} s"
         return None
 
     @staticmethod
@@ -395,20 +402,20 @@ class HybridPolicy:
 
     def _wishes(self, t: _Tick, state: RoutingState, memory: HybridState, weight: float) -> dict[BackendType, Wish]:
         s, load, cap, now = t.s, t.load, t.cap, t.now
-        cfg = s.settings
+        cfg = hybrid_config(s)
         wishes: dict[BackendType, Wish] = {}
-        slow_ladder = _ladder(cfg.VLLM_SLEEP_L1_IDLE_S, cfg.VLLM_SLEEP_L2_IDLE_S, cfg.VLLM_DELETE_IDLE_S)
-        slow = _slow_pacing(cfg.SCALE_UP_COOLDOWN_S)
+        slow_ladder = _ladder(cfg.vllm_sleep_l1_idle_s, cfg.vllm_sleep_l2_idle_s, cfg.vllm_delete_idle_s)
+        slow = _slow_pacing(cfg.scale_up_cooldown_s)
         fast_cfg = s.config.backends.get(FAST)
         if fast_cfg is not None:
             if state is R.COLD:
                 wishes[FAST] = Wish(0, "COLD: no instance kept", RELEASE_AT_ONCE, _fast_pacing(
-                    cfg.SCALE_UP_COOLDOWN_S, cfg.LLAMA_SCALE_DOWN_COOLDOWN_S, cfg.SCALE_DOWN_CONSECUTIVE))
+                    cfg.scale_up_cooldown_s, cfg.llama_scale_down_cooldown_s, cfg.scale_down_consecutive))
             else:
-                floor = max(cfg.LLAMA_FLOOR_REPLICAS, fast_cfg.min_replicas)
+                floor = max(cfg.llama_floor_replicas, fast_cfg.min_replicas)
                 serving = t.ready if state in (R.MIXED, R.VLLM_PRIMARY) else []
                 # What vLLM takes: its effective capacity, but never more than its share of the traffic.
-                taken = min(sum(c_eff(cfg.HYBRID_ALPHA, i.capacity or cap.c_vllm) for i in serving), weight * load.total)
+                taken = min(sum(c_eff(cfg.alpha, i.capacity or cap.c_vllm) for i in serving), weight * load.total)
                 n = l_target(floor, load.total, taken, cap.c_l)
                 reason = f"L_target = max({floor}, ceil(max(0, {fmt(load.total)} - C_eff {fmt(taken)}) / C_l {cap.c_l})) = {n}"
                 if state in (R.WARMING_VLLM, R.MIXED):
@@ -417,7 +424,7 @@ class HybridPolicy:
                     if awake > n:
                         n, reason = awake, f"{reason}; the {awake} replicas are kept until VLLM_PRIMARY (§5.3)"
                 wishes[FAST] = Wish(n, reason, RELEASE_AT_ONCE, _fast_pacing(
-                    cfg.SCALE_UP_COOLDOWN_S, cfg.LLAMA_SCALE_DOWN_COOLDOWN_S, cfg.SCALE_DOWN_CONSECUTIVE))
+                    cfg.scale_up_cooldown_s, cfg.llama_scale_down_cooldown_s, cfg.scale_down_consecutive))
         if SLOW in s.config.backends:
             total = round(load.total, 3)
             up = max(1, math.ceil(total / cap.c_up))
@@ -434,7 +441,7 @@ class HybridPolicy:
                 wishes[SLOW] = Wish(needed, f"{state.value}: {sizing}", slow_ladder, slow)
             elif state is R.VLLM_PRIMARY:  # no fast tier: vLLM serves alone, and may rest when idle for long
                 parked = memory.low_load_since is not None and \
-                    now >= memory.low_load_since + timedelta(seconds=cfg.HYBRID_DOWN_HOLD_S)
+                    now >= memory.low_load_since + timedelta(seconds=cfg.down_hold_s)
                 wishes[SLOW] = Wish(0, "vLLM idle past HYBRID_DOWN_HOLD_S", slow_ladder, slow) if parked else \
                     Wish(needed, f"serves alone: {sizing}", slow_ladder, slow)
             elif state is R.DEGRADED_FAST:

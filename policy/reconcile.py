@@ -3,7 +3,7 @@
 Per tier, against its census (observed plus in flight):
 - below target: wake sleeping instances first (level 1 before level 2, the most
   recently busy first), then start new ones, unless a start of the tier failed
-  less than START_RETRY_S ago;
+  less than the controller's start_retry_s ago;
 - above target: let surplus instances go, as many as the plan allows: a start
   still under way is cancelled first, then the least loaded, longest idle ones,
   each taking the next step of the tier's ladder once idle long enough;
@@ -143,7 +143,7 @@ class Reconciler:
         if need == 0:
             return
         failure = self.s.start_failures.get(backend)
-        retry_at = failure.at + timedelta(seconds=self.s.settings.START_RETRY_S) if failure else None
+        retry_at = failure.at + timedelta(seconds=self.s.controller.start_retry_s) if failure else None
         if retry_at is not None and self.now < retry_at:
             self.outlook.append(NextStep(f"start {need} {what}{backend.value} instance(s) (last start failed: "
                                          f"{failure.reason})", retry_at))
@@ -198,7 +198,7 @@ class Reconciler:
 
     def _clean_up(self, backend: BackendType, c: TierCensus) -> None:
         """Delete what failed, what is drained, and what has been starting for longer than its backend's budget."""
-        start_timeout_s = self.s.settings.start_timeout_s(backend)
+        start_timeout_s = self.s.controller.start_timeout_s(backend)
         sent = {a.instance_id for a in self.actions}
         for i in self.s.of(backend):
             if i.instance_id in c.busy or i.instance_id in sent or self._recently_failed(i, Action.DELETE):
@@ -234,7 +234,7 @@ class Reconciler:
         if i.last_failure is None:
             return False
         failed, at = i.last_failure
-        return failed is action and self.now < at + timedelta(seconds=self.s.settings.COMMAND_RETRY_S)
+        return failed is action and self.now < at + timedelta(seconds=self.s.controller.command_retry_s)
 
     def _emit(self, i: InstanceView, action: Action, level: int, reason: str, substitute_for: Action | None = None) -> None:
         self.actions.append(PlannedAction(

@@ -29,7 +29,8 @@ from policy.coldstart import first_serving
 from policy.load import Load, load_of
 from policy.rules import bounded_roles
 from shared.contracts.backends import BackendType, Role
-from shared.contracts.config import AliasConfig, ReplicaPolicyConfig
+from shared.contracts.config import AliasConfig
+from shared.contracts.policies import ReplicaPolicyConfig
 from shared.contracts.control import AliasSnapshot, ColdStart, NextStep, RoutingChange, ScalerState, evolve
 from shared.contracts.states import RoutingState
 

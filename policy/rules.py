@@ -6,8 +6,8 @@
 - a rebound halts scale-down: when the policy wants more of a tier than it did at
   the last tick, nothing of that tier is let go now and the hysteresis restarts;
 - scale-down hysteresis, cooldown and step as the wish's `Pacing` says (for
-  the hybrid policy's fast tier: SCALE_DOWN_CONSECUTIVE windows, then one
-  replica per cycle and per LLAMA_SCALE_DOWN_COOLDOWN_S, seed 000 §5.4), or by
+  the hybrid policy's fast tier: scale_down_consecutive windows, then one
+  replica per cycle and per llama_scale_down_cooldown_s, seed 000 §5.4), or by
   its ladder alone: an instance goes only when idle long enough;
 - an urgent wish (a failed tier) skips the hysteresis and the pacing.
 

@@ -1,8 +1,9 @@
-"""Where a modelpool process finds its servers and itself.
+"""Where a modelpool process finds its servers and itself (how the pool behaves is the pool file's: `PoolConfig`).
 
-Layers, later wins: defaults, then the environment, then explicit arguments
-(`Settings.load(environ, database_url=...)`). Nothing reads the environment
-anywhere else; a process builds one `Settings` and passes it down.
+Layers, later wins (`shared/configuration.py`): defaults, then (for operator
+commands) the local cluster's file, then the environment, then explicit
+arguments (`Settings.load(environ, database_url=...)`). A process builds one
+`Settings` and passes it down.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.contracts.config import ConfigError
+from shared.configuration import from_environment, layered
 
 # The namespace names the Postgres schema and prefixes every bus subject and
 # stream, so several pools (or test runs) share one server without touching each other.
@@ -42,11 +43,6 @@ ENVIRONMENT = {
     "worker_report_interval_s": "MODELPOOL_WORKER_REPORT_INTERVAL_S",
     "worker_log_dir": "MODELPOOL_WORKER_LOG_DIR",
     "gateway_id": "MODELPOOL_GATEWAY_ID",
-    "metric_window_s": "MODELPOOL_METRIC_WINDOW_S",
-    "hold_timeout_s": "MODELPOOL_HOLD_TIMEOUT_S",
-    "hold_keepalive_s": "MODELPOOL_HOLD_KEEPALIVE_S",
-    "control_tick_s": "MODELPOOL_CONTROL_TICK_S",
-    "worker_timeout_s": "MODELPOOL_WORKER_TIMEOUT_S",
     "health_file": "MODELPOOL_HEALTH_FILE",
     "otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
     "service_name": "OTEL_SERVICE_NAME",
@@ -83,16 +79,6 @@ class Settings(BaseModel):
     """Where a worker keeps its engines' output (default: a directory under the system's temp dir)."""
     gateway_id: str | None = None
     """Names this gateway replica in its metric windows (default: host and process id)."""
-    metric_window_s: float = Field(default=2.0, gt=0)
-    """Length of the gateway's metric windows (seed 000 §6)."""
-    hold_timeout_s: float = Field(default=120.0, gt=0)
-    """Longest a request waits for a cold alias to start; the alias's measured start time sets it below this."""
-    hold_keepalive_s: float = Field(default=5.0, gt=0)
-    """How often a held stream gets an SSE comment, so clients and proxies keep the connection."""
-    control_tick_s: float = Field(default=1.0, gt=0)
-    """How often the autoscaler decides for every alias (demand on a cold alias does not wait for it)."""
-    worker_timeout_s: float = Field(default=10.0, gt=0)
-    """A worker silent this long is recorded as lost."""
     health_file: str | None = None
     """Where a service writes whether it reaches its servers, every second, for `modelpool health` (containers)."""
     otlp_endpoint: str | None = None
@@ -124,16 +110,9 @@ class Settings(BaseModel):
     def load(cls, environ: Mapping[str, str] | None = None, *, discover: bool = False, **explicit: Any) -> "Settings":
         """Defaults, then (with `discover`) the local cluster's file, then the environment, then `explicit`."""
         environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {k: v for k, v in local_cluster(environ).items() if k != "gateway"} if discover else {}
-        values.update({field: environ[name] for field, name in ENVIRONMENT.items() if environ.get(name)})
-        values.update({k: v for k, v in explicit.items() if v is not None})
-        try:
-            return cls.model_validate(values)
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            field = str(error["loc"][0]) if error["loc"] else "<settings>"
-            source = "arguments" if field in explicit else f"environment variable {ENVIRONMENT.get(field, field)}"
-            raise ConfigError(field, error["msg"], source) from None
+        found = {k: v for k, v in local_cluster(environ).items() if k != "gateway"} if discover else {}
+        return layered(cls, [(f"{data_dir(environ) / CLUSTER_FILE}", found), *from_environment(environ, ENVIRONMENT),
+                             ("arguments", explicit)])
 
     @property
     def asyncpg_dsn(self) -> str:

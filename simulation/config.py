@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.configuration import from_environment, layered, read_yaml
 from simulation.core import PreemptionMode, Strategy, SystemParams, VictimPolicy
 
 
@@ -106,39 +106,17 @@ class SimConfig(_Section):
 DEFAULT_CONFIG = Path(__file__).with_name("configs") / "default.yaml"
 
 
-def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def load_config(
     path: str | Path | None = None,
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> SimConfig:
-    """Defaults <- YAML file <- environment <- `overrides` (nested dict of sections)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file not found: {p}")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{p}: expected a mapping of sections (system, control, data, experiment)")
-        data = loaded
+    """Defaults <- YAML file <- environment <- `overrides` (nested dict of sections), as `shared/configuration.py`
+    layers every section."""
     env = os.environ if env is None else env
-    env_layer: dict[str, Any] = {}
-    if env.get("MODELPOOL_SIM_EXPERIMENTS_DIR"):
-        env_layer.setdefault("data", {})["experiments_dir"] = env["MODELPOOL_SIM_EXPERIMENTS_DIR"]
-    if env.get("MODELPOOL_SIM_REQUEST_FILE"):
-        env_layer.setdefault("data", {})["request_file"] = env["MODELPOOL_SIM_REQUEST_FILE"]
-    data = _merge(data, env_layer)
-    if overrides:
-        data = _merge(data, overrides)
-    return SimConfig.model_validate(data)
+    data_env = from_environment(env, {"experiments_dir": "MODELPOOL_SIM_EXPERIMENTS_DIR",
+                                      "request_file": "MODELPOOL_SIM_REQUEST_FILE"})
+    return layered(SimConfig, [(str(path), read_yaml(path, "a mapping of sections (system, control, data, experiment)")) if path is not None else ("<defaults>", {}),
+                               *((source, {"data": values}) for source, values in data_env),
+                               ("arguments", overrides or {})])

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 from services.autoscaler.record import decision_events
 from shared.contracts.backends import BackendType, EngineKind
-from shared.contracts.config import AliasConfig, PolicySettings
+from shared.contracts.config import AliasConfig, ControllerConfig
 from shared.contracts.control import AliasSnapshot, Decision, MetricWindow, MixChange, PolicyState, RoutingChange
 from shared.contracts.events import AliasConfigured, InstanceStateChanged
 from shared.contracts.messages import Envelope
@@ -50,7 +50,7 @@ class AliasLife:
 
     async def decide(self, seconds: float, *, to: R | None = None, reason: str = "", weight: float | None = None,
                      targets: dict | None = None, metrics: MetricWindow | None = None) -> None:
-        snapshot = AliasSnapshot(alias=ALIAS, version=0, config=CONFIG, settings=PolicySettings(),
+        snapshot = AliasSnapshot(alias=ALIAS, version=0, config=CONFIG, controller=ControllerConfig(),
                                  routing_state=self.state, routing_since=None, mix_weight=self.weight,
                                  targets=dict(self.targets), state=PolicyState(), metrics=metrics)
         weight = self.weight if weight is None else weight

@@ -6,10 +6,19 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from shared.configuration import load_pool_config
 from shared.contracts.backends import Action, BackendType, EngineKind, engine_label, substitute, supports
 from shared.contracts.commands import SleepInstance, StartInstance, command_registry
-from shared.contracts.config import ConfigError, PolicySettings, load_pool_config
-from shared.contracts.events import AliasConfigured, InstanceStateChanged, RoutingStateChanged, event_registry
+from shared.contracts.config import AliasConfig, ConfigError, ControllerConfig
+from shared.contracts.control import SNAPSHOT, AliasSnapshot, PolicyState
+from shared.contracts.events import (
+    AliasConfigured,
+    InstanceStateChanged,
+    PolicyDecided,
+    RoutingStateChanged,
+    event_registry,
+)
+from shared.contracts.policies import HybridPolicyConfig
 from shared.contracts.messages import FROM_THE_LOG, Contract, Envelope, Event, InvalidMessage, Registry, derived_id
 from shared.contracts.states import (
     IllegalTransition,
@@ -99,28 +108,68 @@ def test_instance_commands_require_backend_type():
 
 
 GOOD = """
-policy:
-  HYBRID_ALPHA: 0.65
+controller:
+  start_retry_s: 12
+gateway:
+  queue_size: 64
 aliases:
   - alias: qwen3-vl-2b
     backends:
       llama.cpp: {model_name: q, model_path: /m/q.gguf, gpu_memory_gb: 6.0, min_replicas: 1, max_replicas: 4}
       vllm: {model_name: q, model_path: /m/q, gpu_memory_gb: 12.0, max_replicas: 2, max_model_len: 4096, engine: simulator}
+    autoscaling_policy: {name: hybrid, alpha: 0.65}
+  - alias: other
+    backends:
+      vllm: {model_name: o, model_path: /m/o, gpu_memory_gb: 12.0, engine: simulator}
+    autoscaling_policy: heteroscale
 """
 
 
-def test_pool_config_layers(tmp_path):
+def test_pool_config_layers_defaults_file_environment_and_arguments(tmp_path):
     path = tmp_path / "pool.yaml"
     path.write_text(GOOD)
-    config = load_pool_config(path, environ={"HYBRID_UP_CONSECUTIVE": "3", "HYBRID_MIX_WEIGHTS": "25,100"})
-    assert config.policy.HYBRID_ALPHA == 0.65  # file over default
-    assert config.policy.HYBRID_UP_CONSECUTIVE == 3  # environment over default
-    assert config.policy.HYBRID_MIX_WEIGHTS == (25, 100)
-    assert config.policy.VLLM_SLEEP_L2_IDLE_S == 900  # seed 000 §11 default
+    config = load_pool_config(path, environ={"MODELPOOL_QUEUE_SIZE": "32", "MODELPOOL_CONTROL_TICK_S": "0.5"})
+    hybrid = config.alias("qwen3-vl-2b").autoscaling_policy
+    assert isinstance(hybrid, HybridPolicyConfig) and hybrid.alpha == 0.65  # the alias's own, over the default
+    assert hybrid.vllm_sleep_l2_idle_s == 900  # seed 000 §11's default
+    assert config.controller.start_retry_s == 12 and config.controller.tick_s == 0.5  # file, then environment
+    assert config.gateway.queue_size == 32  # environment over file
     alias = config.alias("qwen3-vl-2b")
     assert alias.engine_for(VLLM) is EngineKind.SIMULATOR and alias.engine_for(LLAMA) is EngineKind.LLAMA_CPP
-    overridden = load_pool_config(path, environ={"HYBRID_ALPHA": "0.6"}, overrides={"HYBRID_ALPHA": 0.75})
-    assert overridden.policy.HYBRID_ALPHA == 0.75  # explicit over environment
+    overridden = load_pool_config(path, environ={"MODELPOOL_QUEUE_SIZE": "32"}, gateway={"queue_size": 8})
+    assert overridden.gateway.queue_size == 8  # arguments over environment
+
+
+LEGACY = """
+policy:
+  HYBRID_ALPHA: 0.65
+  LLAMA_FLOOR_REPLICAS: 2
+  START_RETRY_S: 5
+aliases:
+  - alias: old
+    backends:
+      vllm: {model_name: q, model_path: /m/q, gpu_memory_gb: 12.0, engine: simulator}
+  - alias: own
+    backends:
+      vllm: {model_name: q, model_path: /m/q, gpu_memory_gb: 12.0, engine: simulator}
+    autoscaling_policy: {name: hybrid, alpha: 0.8}
+  - alias: scaled
+    backends:
+      vllm: {model_name: q, model_path: /m/q, gpu_memory_gb: 12.0, engine: simulator}
+    autoscaling_policy: heteroscale
+"""
+
+
+def test_an_older_pool_files_policy_section_fills_in_each_hybrid_alias_and_the_controller(tmp_path, caplog):
+    path = tmp_path / "pool.yaml"
+    path.write_text(LEGACY)
+    config = load_pool_config(path, environ={"HYBRID_UP_CONSECUTIVE": "3", "HYBRID_MIX_WEIGHTS": "25,100"})
+    old, own = config.alias("old").autoscaling_policy, config.alias("own").autoscaling_policy
+    assert (old.alpha, old.llama_floor_replicas, old.up_consecutive, old.mix_weights) == (0.65, 2, 3, (25, 100))
+    assert own.alpha == 0.8 and own.llama_floor_replicas == 2  # the alias's own value over the pool-wide one
+    assert config.alias("scaled").autoscaling_policy.name == "heteroscale"  # not the hybrid's: untouched
+    assert config.controller.start_retry_s == 5
+    assert "policy:" in caplog.text  # the operator is told where the settings belong now
 
 
 @pytest.mark.parametrize(
@@ -135,7 +184,10 @@ def test_pool_config_layers(tmp_path):
          "    router: {scorers: [{name: fastest}]}\n", "aliases[0].router.scorers[0].name"),
         ("aliases:\n  - alias: a\n    backends:\n      vllm: {model_name: m, model_path: p, gpu_memory_gb: 1}\n"
          "    router: {filters: [session-hash, session-host]}\n", "aliases[0].router"),
-        ("policy:\n  HYBRID_ALPHA: 2\n", "policy.HYBRID_ALPHA"),
+        ("aliases:\n  - alias: a\n    backends:\n      vllm: {model_name: m, model_path: p, gpu_memory_gb: 1}\n"
+         "    autoscaling_policy: {name: hybrid, alpha: 2}\n", "aliases[0].autoscaling_policy.hybrid.alpha"),
+        ("controller:\n  tick_s: 0\n", "controller.tick_s"),
+        ("gateway:\n  queue_sizes: 5\n", "gateway.queue_sizes"),
         ("policy:\n  HYBRID_ALPHAA: 0.5\n", "policy.HYBRID_ALPHAA"),
     ],
 )
@@ -150,18 +202,20 @@ def test_config_errors_name_the_field_and_the_file(tmp_path, text, field):
 
 def test_config_error_from_environment_names_it():
     with pytest.raises(ConfigError) as err:
-        load_pool_config(None, environ={"HYBRID_MIX_WEIGHTS": "50,20"})
-    assert err.value.field == "policy.HYBRID_MIX_WEIGHTS" and "environment" in str(err.value)
+        load_pool_config(None, environ={"MODELPOOL_CONTROL_TICK_S": "soon"})
+    assert err.value.field == "controller.tick_s" and "MODELPOOL_CONTROL_TICK_S" in str(err.value)
+    path_free = "aliases: []"
+    assert load_pool_config(None, environ={}).aliases == [] and path_free
     with pytest.raises(ConfigError, match="MODELPOOL_NAMESPACE"):
         Settings.load({"MODELPOOL_NAMESPACE": "Bad-Name"})
 
 
-def test_policy_defaults_are_seed_000_section_11():
-    p = PolicySettings()
-    assert (p.HYBRID_ALPHA, p.HYBRID_BETA, p.HYBRID_UP_CONSECUTIVE, p.HYBRID_PREPARE_CONC) == (0.7, 0.3, 2, 3)
-    assert (p.HYBRID_DOWN_HOLD_S, p.HYBRID_MIX_WEIGHTS, p.HYBRID_VLLM_WARM_TIMEOUT_S) == (180, (20, 50, 80, 100), 180)
-    assert (p.LLAMA_FLOOR_REPLICAS, p.LLAMA_SCALE_DOWN_COOLDOWN_S, p.LLAMA_DRAIN_TIMEOUT_S) == (1, 30, 120)
-    assert (p.VLLM_SLEEP_L1_IDLE_S, p.VLLM_SLEEP_L2_IDLE_S, p.VLLM_DELETE_IDLE_S) == (300, 900, 1800)
+def test_hybrid_defaults_are_seed_000_section_11():
+    p = HybridPolicyConfig()
+    assert (p.alpha, p.beta, p.up_consecutive, p.prepare_conc) == (0.7, 0.3, 2, 3)
+    assert (p.down_hold_s, p.mix_weights, p.vllm_warm_timeout_s) == (180, (20, 50, 80, 100), 180)
+    assert (p.llama_floor_replicas, p.llama_scale_down_cooldown_s, ControllerConfig().drain_timeout_s) == (1, 30, 120)
+    assert (p.vllm_sleep_l1_idle_s, p.vllm_sleep_l2_idle_s, p.vllm_delete_idle_s) == (300, 900, 1800)
 
 
 def test_envelope_correlation_and_derived_ids():
@@ -252,9 +306,29 @@ def test_start_commands_and_alias_configs_of_older_versions_read_as_the_latest()
     assert version == 3 and latest["role"] is None
     config = {"alias": "a", "backends": {"vllm": {"model_name": "m", "model_path": "/m", "gpu_memory_gb": 1}}}
     version, latest = events.upcast("AliasConfigured", 2, {"alias": "a", "config": config})
-    assert version == 4 and AliasConfigured.model_validate(latest).config.autoscaling_policy.name == "hybrid"
+    assert version == 5 and AliasConfigured.model_validate(latest).config.autoscaling_policy.name == "hybrid"
     assert AliasConfigured.model_validate(latest).config.router.scorers is None  # the preset's
     assert events.valid_as_is("AliasConfigured", 1)
+
+
+def test_a_decision_recorded_with_pool_wide_settings_reads_with_them_in_the_alias_and_the_controller():
+    """PolicyDecided v1 carried the pool's `settings`; v2 has the hybrid's own parameters and the controller's."""
+    config = AliasConfig.model_validate({"alias": "a", "backends": {"vllm": {
+        "model_name": "m", "model_path": "/m", "gpu_memory_gb": 1, "engine": "simulator"}}})
+    snapshot = SNAPSHOT.dump_python(AliasSnapshot(
+        alias="a", version=3, config=config, controller=ControllerConfig(), routing_state=R.COLD,
+        routing_since=None, mix_weight=0.0, targets={}, state=PolicyState()), mode="json")
+    del snapshot["controller"]
+    snapshot["config"]["autoscaling_policy"] = {"name": "hybrid", "debug": False}
+    snapshot["settings"] = {"HYBRID_ALPHA": 0.6, "HYBRID_MIX_WEIGHTS": [50, 100], "START_RETRY_S": 7,
+                            "LLAMA_DRAIN_TIMEOUT_S": 90}
+    v1 = {"alias": "a", "policy": "hybrid", "policy_version": 3, "decided_at": "2026-11-26T10:00:00Z",
+          "snapshot": snapshot, "decision": {}, "summary": ""}
+    version, latest = event_registry().upcast(PolicyDecided.TYPE, 1, v1)
+    assert version == 2 and "settings" not in latest["snapshot"]
+    read = SNAPSHOT.validate_python(latest["snapshot"])
+    assert (read.config.autoscaling_policy.alpha, read.config.autoscaling_policy.mix_weights) == (0.6, (50, 100))
+    assert (read.controller.start_retry_s, read.controller.drain_timeout_s) == (7, 90)
 
 
 def test_every_contract_type_is_unique_and_registered():

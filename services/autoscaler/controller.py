@@ -283,7 +283,7 @@ class Controller:
         instances = self.views.of(config.alias, self.rows_by_alias[config.alias].values(),
                                   control.notes if control else {})
         return build_snapshot(
-            config=config, settings=self.pool.policy, routing_row=self.view[ROUTING].get(config.alias),
+            config=config, controller=self.pool.controller, routing_row=self.view[ROUTING].get(config.alias),
             control_row=control, instances=instances, metrics=self.facts.metrics(config.alias, now),
             demand=self.facts.waiting(config.alias, now), state=state, views=self.views,
         )
@@ -310,7 +310,7 @@ class Controller:
             await self._send(config, action, decided)
 
     async def _send(self, config: AliasConfig, action: PlannedAction, cause: Envelope | None) -> None:
-        command = command_for(action, config, self.pool.policy.LLAMA_DRAIN_TIMEOUT_S)
+        command = command_for(action, config, self.pool.controller.drain_timeout_s)
         envelope = Envelope.wrap(command, id=action.command_id, causation=cause)
         _, sends = self.sent_at.get(action.command_id, (None, 0))
         self.sent_at[action.command_id] = (self.clock(), sends + 1)

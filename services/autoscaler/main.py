@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from services.autoscaler.controller import Controller
 from services.runtime import ServiceContext, run_service
-from shared.contracts.config import PoolConfig, load_pool_config
+from shared.configuration import load_pool_config
+from shared.contracts.config import PoolConfig
 from shared.eventlog.lease import AdvisoryLease
 
 
@@ -20,7 +21,7 @@ async def serve(ctx: ServiceContext, config: PoolConfig) -> None:
         store=ctx.store, engine=ctx.engine, js=ctx.js, subjects=ctx.subjects, telemetry=ctx.telemetry,
         telemetry_bus=ctx.telemetry_bus,
         lease=AdvisoryLease(settings.asyncpg_dsn, settings.namespace, "autoscaler"),
-        pool=config, tick_s=settings.control_tick_s, worker_timeout_s=settings.worker_timeout_s,
+        pool=config, tick_s=config.controller.tick_s, worker_timeout_s=config.controller.worker_timeout_s,
         bus_up_for_s=ctx.links.nats.up_for_s,
     )
     await controller.run(ctx.stop)

@@ -53,13 +53,14 @@ def pool_yaml(routers: dict[str, str], *, replicas: int = 1, probe: bool = True)
     instances each, always; and a cold alias `probe`, for measuring how soon the pool acts again."""
     tier = ("llama.cpp: {model_name: m, model_path: default, gpu_memory_gb: 0, engine: simulator, "
             "min_replicas: %d, max_replicas: %d}")
-    # START_RETRY_S: the workers register just after the controller starts, so a first start may find none.
-    lines = ["policy: {HYBRID_COLD_IDLE_S: 600, START_RETRY_S: 2}", "aliases:"]
+    # start_retry_s: the workers register just after the controller starts, so a first start may find none.
+    lines = ["controller: {start_retry_s: 2}", "aliases:"]
+    hybrid = "    autoscaling_policy: {name: hybrid, cold_idle_s: 600}"
     for alias, router in routers.items():
-        lines += [f"  - alias: {alias}", f"    router: {{plugin: {router}}}", "    backends:",
+        lines += [f"  - alias: {alias}", f"    router: {{plugin: {router}}}", hybrid, "    backends:",
                   f"      {tier % (replicas, replicas)}"]
     if probe:
-        lines += ["  - alias: probe", "    backends:", f"      {tier % (0, 1)}"]
+        lines += ["  - alias: probe", hybrid, "    backends:", f"      {tier % (0, 1)}"]
     return "\n".join(lines) + "\n"
 
 

@@ -416,7 +416,8 @@ def service_argv(name: str) -> list[str]:
 def engine_lines(env: dict[str, str]) -> list[str]:
     """Which engine backs each tier of each alias, as the pool configuration says."""
     from shared.contracts.backends import BackendType
-    from shared.contracts.config import ConfigError, load_pool_config
+    from shared.configuration import load_pool_config
+    from shared.contracts.config import ConfigError
 
     path = env.get("MODELPOOL_CONFIG")
     if not path:

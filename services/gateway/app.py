@@ -101,12 +101,12 @@ class Gateway:
         self.clock = time.monotonic
         self.sessions = Sessions(view.store, self.clock)
         self.router = Router(view, random.Random(), self.configured, self.sessions)
-        self.meter = Meter(self.gateway_id, settings.metric_window_s, self.clock)
+        self.meter = Meter(self.gateway_id, self.config.metric_window_s, self.clock)
         self.metrics = GatewayMetrics()
-        self.starts = StartTimes(settings.hold_timeout_s)
+        self.starts = StartTimes(self.config.hold_timeout_s)
         self.admission = Admission(self.router, self.meter, self.metrics, bus.publish_demand, self.gateway_id,
                                    self.config.queue_size, self.clock, self.config.queue_timeout_s,
-                                   self.starts.budget_s, settings.hold_keepalive_s)
+                                   self.starts.budget_s, self.config.hold_keepalive_s)
         self.pre_request = PreRequest(self.router, self.sessions, view, client, self.metrics, self.clock)
         self.proxy = Proxy(client, self.config, self.router, self.metrics, self.telemetry, self.clock, self._reroute)
         self.post_response = PostResponse(self.admission, self.router, self.sessions, self.metrics)

@@ -13,7 +13,8 @@ from services.gateway.admin import create_admin_app
 from services.gateway.app import Gateway, create_app
 from services.gateway.proxy import upstream_client
 from services.runtime import ServiceContext, run_service
-from shared.contracts.config import PoolConfig, load_pool_config
+from shared.configuration import load_pool_config
+from shared.contracts.config import PoolConfig
 from shared.faults import retry_until_done
 from shared.projections.live import LiveView
 from shared.projections.readmodels import INSTANCES, ROUTING, SESSIONS

@@ -3,7 +3,7 @@
 A request for an alias with nothing routable (COLD, or every instance starting
 or asleep) waits in the gateway instead of being refused (`admission.py`). It
 waits a few times the longest of the alias's recent STARTING -> RUNNING
-durations plus a margin, capped by `settings.hold_timeout_s` (which is also the
+durations plus a margin, capped by the gateway's `hold_timeout_s` (which is also the
 bound while nothing is measured yet).
 """
 

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 from pydantic import Field, TypeAdapter
 
 from shared.contracts.backends import Action, BackendType, EngineKind, Role
-from shared.contracts.config import AliasConfig, PolicySettings
+from shared.contracts.config import AliasConfig, ControllerConfig
 from shared.contracts.states import InstanceState, RoutingState
 
 # --------------------------------------------------------------------------- load
@@ -272,7 +272,8 @@ class AliasSnapshot:
     """The alias stream's version when the snapshot was taken: a decision is appended after it,
     and every id the decision makes (its own, its commands', new instances') derives from it."""
     config: AliasConfig
-    settings: PolicySettings
+    controller: ControllerConfig
+    """The controller's knobs every policy shares (retries, start timeouts); a policy's own are in `config`."""
     routing_state: RoutingState
     routing_since: datetime | None
     mix_weight: float

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from shared.contracts.backends import Action, BackendType, EngineKind, CommandOutcome, Role
-from shared.contracts.config import AliasConfig
+from shared.contracts.config import AliasConfig, split_legacy_policy
 from shared.contracts.control import AliasSnapshot, Decision, MetricWindow
 from shared.contracts.messages import Event, Registry, from_the_log
 from shared.contracts.states import (
@@ -33,10 +33,11 @@ class AliasConfigured(Event):
 
     v2: a backend's configuration may carry `engine_args`.
     v3: `autoscaling_policy`, the alias's policy and its parameters (hybrid when absent).
-    v4: `router.filters` and `router.scorers`, a router's own lists (the preset's when absent)."""
+    v4: `router.filters` and `router.scorers`, a router's own lists (the preset's when absent).
+    v5: the hybrid policy's parameters in its `autoscaling_policy` (seed 000's defaults when absent)."""
 
     TYPE = "AliasConfigured"
-    VERSION = 4
+    VERSION = 5
     CATEGORY = "alias"
     alias: str
     config: AliasConfig
@@ -52,9 +53,13 @@ class PolicyDecided(Event):
     new targets, an instance action), in one append with the switch, step and
     targets events it causes. `replay --verify-decisions` feeds `snapshot` back
     through the policy named here and compares the result with `decision`.
+
+    v2: the snapshot's pool-wide `settings` became the hybrid's parameters in its
+    `config.autoscaling_policy` and the controller's knobs in its `controller`.
     """
 
     TYPE = "PolicyDecided"
+    VERSION = 2
     CATEGORY = "alias"
     alias: str
     policy: str
@@ -389,4 +394,16 @@ def event_registry() -> Registry:
     registry.fields_added(AliasConfigured.TYPE, 1)  # v1 payloads are valid v2 payloads
     registry.fields_added(AliasConfigured.TYPE, 2)  # and v2 ones valid v3 ones (the hybrid policy)
     registry.fields_added(AliasConfigured.TYPE, 3)  # and v3 ones valid v4 ones (the router's preset)
+    registry.fields_added(AliasConfigured.TYPE, 4)  # and v4 ones valid v5 ones (the hybrid's own parameters)
+
+    @registry.upcaster(PolicyDecided.TYPE, 1)
+    def _settings_split(payload: dict[str, Any]) -> dict[str, Any]:
+        snapshot = dict(payload["snapshot"])
+        hybrid, controller, _ = split_legacy_policy(snapshot.pop("settings", None) or {})
+        config = dict(snapshot["config"])
+        policy = config.get("autoscaling_policy") or {"name": "hybrid"}
+        if policy.get("name") == "hybrid":
+            config["autoscaling_policy"] = {**hybrid, **policy}
+        return {**payload, "snapshot": {**snapshot, "config": config, "controller": controller}}
+
     return registry

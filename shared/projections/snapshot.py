@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 
-from shared.contracts.config import AliasConfig, PolicySettings
+from shared.contracts.config import AliasConfig, ControllerConfig
 from shared.contracts.control import (
     AliasSnapshot,
     InstanceView,
@@ -185,7 +185,7 @@ class InstanceViews:
 def build_snapshot(
     *,
     config: AliasConfig,
-    settings: PolicySettings,
+    controller: ControllerConfig,
     routing_row: RoutingRow | None,
     control_row: ControlRow | None,
     instances: tuple[InstanceView, ...],
@@ -200,7 +200,7 @@ def build_snapshot(
         alias=config.alias,
         version=control_row.version if control_row else 0,
         config=config,
-        settings=settings,
+        controller=controller,
         routing_state=routing_row.state if routing_row else config.routing_state,
         routing_since=routing_row.switched_at if routing_row else None,
         mix_weight=routing_row.mix_weight if routing_row else 0.0,

@@ -22,7 +22,7 @@ from shared.contracts.backends import Action, BackendType, EngineKind
 from shared.contracts.states import InstanceState, RoutingState
 from shared.projections.rows import InstanceRow
 from shared.contracts.commands import PlaceInstance, StartInstance
-from shared.contracts.config import load_pool_config
+from shared.configuration import load_pool_config
 from shared.contracts.events import PolicyDecided, WorkerRegistered, event_registry
 from shared.contracts.messages import Envelope
 from shared.contracts.telemetry import DemandSignal

@@ -8,7 +8,7 @@ import pytest
 from world import SLOW, R, S, World, alias_config
 
 from shared.contracts.backends import Action, Role
-from shared.contracts.config import HeteroScaleConfig
+from shared.contracts.policies import HeteroScaleConfig
 
 P, D = Role.PREFILL, Role.DECODE
 

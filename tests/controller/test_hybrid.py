@@ -11,10 +11,9 @@ from dataclasses import replace
 from datetime import timedelta
 
 import pytest
-from world import FAST, SLOW, R, S, World, alias_config
+from world import FAST, SLOW, R, S, World, alias_config, with_hybrid
 
 from shared.contracts.backends import Action
-from shared.contracts.config import PolicySettings
 from shared.contracts.control import StartFailure
 
 
@@ -31,9 +30,9 @@ def actions(decision, action=None, backend=None):
     return [a for a in decision.actions if (action is None or a.action is action) and (backend is None or a.backend is backend)]
 
 
-def fast_only(**settings) -> World:
-    """FAST_ONLY with one llama.cpp instance serving."""
-    w = World(settings=PolicySettings(**settings))
+def fast_only(**params) -> World:
+    """FAST_ONLY with one llama.cpp instance serving (under the hybrid's `params`)."""
+    w = World(config=with_hybrid(alias_config(), **params))
     w.at(R.FAST_ONLY)
     w.put("f1", FAST)
     w.tick(0)
@@ -113,7 +112,7 @@ def test_each_warm_up_signal_alone_triggers_warming(signal, reason):
 
 
 def test_hybrid_disabled_or_no_slow_tier_never_warms():
-    for w in (fast_only(HYBRID_ENABLE=False), World(config=alias_config(slow=None))):
+    for w in (fast_only(enable=False), World(config=alias_config(slow=None))):
         w.at(R.FAST_ONLY)
         w.put("f1", FAST)
         assert all(d.routing is None for d in w.run(60, inflight_fast=8.0))
@@ -121,7 +120,7 @@ def test_hybrid_disabled_or_no_slow_tier_never_warms():
 
 
 def test_a_fast_burst_scales_llama_cpp_first_bounded_by_max_replicas():
-    w = fast_only(HYBRID_ENABLE=False)
+    w = fast_only(enable=False)
     d = w.run(2, inflight_fast=7.0)[-1]  # L_target = ceil(7 / C_l 4) = 2
     assert d.targets[FAST] == 2 and len(actions(d, Action.START, FAST)) == 1
     d = w.run(2, inflight_fast=20.0)[-1]  # wants 5; max_replicas 2
@@ -131,7 +130,7 @@ def test_a_fast_burst_scales_llama_cpp_first_bounded_by_max_replicas():
 def test_requests_waiting_in_the_gateways_count_as_load():
     # The gateways admit at most an instance's capacity (C_l 4): the rest wait there. A pool
     # blind to the queue would never see more than it already has.
-    w = fast_only(HYBRID_ENABLE=False)
+    w = fast_only(enable=False)
     d = w.run(2, inflight_fast=4.0, queue_len=6.0)[-1]  # L_target = ceil((4 + 6) / 4) = 3, bounded to 2
     assert d.targets[FAST] == 2 and "ceil(max(0, 10 - C_eff 0) / C_l 4)" in d.targets_reason
     w = fast_only()
@@ -162,7 +161,7 @@ def test_mixed_after_n_ready_healthy_probes_not_one_earlier_and_a_sick_probe_res
     assert w.state.policy.ready_probes == 0
     w.instances[slow.instance_id] = slow
     assert w.run(2, inflight_fast=3.0)[-1].routing is None  # probe 1
-    d = w.run(2, inflight_fast=3.0)[-1]  # probe 2 = HYBRID_READY_PROBES
+    d = w.run(2, inflight_fast=3.0)[-1]  # probe 2 = ready_probes
     assert d.routing.to_state is R.MIXED and d.mix_weight == pytest.approx(0.2)
     assert "healthy in 2 consecutive probes" in d.routing.reason
 
@@ -332,7 +331,7 @@ def test_vllm_failing_to_start_degrades_and_the_retry_window_warms_again():
     assert d.routing.to_state is R.DEGRADED_FAST and "failed" in d.routing.reason
     assert actions(d, Action.DELETE, SLOW)  # the failed instance is released
     w.fail_starts.clear()
-    assert all(d.routing is None for d in w.run(116, inflight_fast=3.0))  # before HYBRID_RETRY_S 120
+    assert all(d.routing is None for d in w.run(116, inflight_fast=3.0))  # before retry_s 120
     d = w.run(4, inflight_fast=3.0)[-1]
     assert d.routing.to_state is R.WARMING_VLLM and "retry window" in d.routing.reason
 
@@ -422,13 +421,13 @@ def test_the_fast_buffer_is_kept_while_traffic_moves_and_reclaimed_once_vllm_is_
             assert not actions(d, Action.DRAIN), d.targets_reason
     assert w.routing is R.VLLM_PRIMARY
     assert "kept until VLLM_PRIMARY" in w.decisions[0].targets_reason
-    w.run(40, inflight_slow=10.0)  # two removals, LLAMA_SCALE_DOWN_COOLDOWN_S (30 s) apart
+    w.run(40, inflight_slow=10.0)  # two removals, llama_scale_down_cooldown_s (30 s) apart
     assert len(w.of(FAST)) == 1  # back to L_floor once vLLM carries the load
 
 
 def test_an_alias_without_a_fast_tier_rests_its_vllm_when_idle_and_goes_cold_when_none_is_left():
-    w = World(config=alias_config(fast=None), settings=PolicySettings(
-        HYBRID_DOWN_HOLD_S=20, VLLM_SLEEP_L1_IDLE_S=30, VLLM_SLEEP_L2_IDLE_S=60, VLLM_DELETE_IDLE_S=90))
+    w = World(config=with_hybrid(alias_config(fast=None), down_hold_s=20, vllm_sleep_l1_idle_s=30,
+                                 vllm_sleep_l2_idle_s=60, vllm_delete_idle_s=90))
     w.at(R.VLLM_PRIMARY)
     w.put("s1", SLOW, last_active_at=w.now)
     d = None
@@ -453,7 +452,7 @@ def test_a_start_that_never_reports_is_cancelled_past_its_budget_and_replaced():
     w.tick(1, demand=1)
     w.tick(1, demand=1)
     (stuck,) = w.of(FAST, S.STARTING)
-    budget = w.settings.LLAMA_START_TIMEOUT_S
+    budget = w.controller.llama_start_timeout_s
     d = w.tick(budget - (w.now - stuck.state_since).total_seconds(), w.window(1, held=1, queue_len=1.0))
     assert not actions(d, Action.DELETE)  # at the budget exactly: not yet
     d = w.tick(1, w.window(1, held=1, queue_len=1.0))

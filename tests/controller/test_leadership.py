@@ -14,9 +14,9 @@ from shared.contracts.telemetry import DemandSignal, GatewayWindow, HistogramRec
 from shared.net import free_port
 
 POOL = """
-policy: {HYBRID_UP_CONSECUTIVE: 2}
 aliases:
   - alias: tiny
+    autoscaling_policy: {name: hybrid, up_consecutive: 2}
     backends:
       llama.cpp: {model_name: tiny, model_path: default, gpu_memory_gb: 0, min_replicas: 0, max_replicas: 2, engine: simulator}
       vllm: {model_name: tiny, model_path: /m, gpu_memory_gb: 12, max_replicas: 1, max_model_len: 4096, engine: simulator}

@@ -6,11 +6,10 @@ from datetime import timedelta
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from world import FAST, SLOW, R, S, World, alias_config
+from world import FAST, SLOW, R, S, World, alias_config, with_hybrid
 
 from policy import decide
 from shared.contracts.backends import Action
-from shared.contracts.config import PolicySettings
 from shared.contracts.control import DECISION, SNAPSHOT
 from shared.contracts.effects import effect_of
 
@@ -36,18 +35,17 @@ configs = st.sampled_from([
     alias_config(slow=None),
 ])
 
-policy_settings = st.sampled_from([
-    PolicySettings(),
-    PolicySettings(HYBRID_DOWN_HOLD_S=10, VLLM_SLEEP_L1_IDLE_S=5, VLLM_SLEEP_L2_IDLE_S=10, VLLM_DELETE_IDLE_S=20,
-                   HYBRID_COLD_IDLE_S=15, HYBRID_RETRY_S=10, HYBRID_VLLM_WARM_TIMEOUT_S=20, LLAMA_SCALE_DOWN_COOLDOWN_S=3,
-                   HYBRID_MIX_STEP_S=2),
+hybrid_params = st.sampled_from([
+    {},
+    {"down_hold_s": 10, "vllm_sleep_l1_idle_s": 5, "vllm_sleep_l2_idle_s": 10, "vllm_delete_idle_s": 20,
+     "cold_idle_s": 15, "retry_s": 10, "vllm_warm_timeout_s": 20, "llama_scale_down_cooldown_s": 3, "mix_step_s": 2},
 ])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=configs, policy_settings=policy_settings, windows=st.lists(window, min_size=1, max_size=60))
-def test_decisions_stay_legal_bounded_deterministic_and_survive_a_json_round_trip(config, policy_settings, windows):
-    w = World(config=config, settings=policy_settings)
+@given(config=configs, params=hybrid_params, windows=st.lists(window, min_size=1, max_size=60))
+def test_decisions_stay_legal_bounded_deterministic_and_survive_a_json_round_trip(config, params, windows):
+    w = World(config=with_hybrid(config, **params))
     for spec in windows:
         if spec["fail_vllm"]:
             w.fail_starts.add(SLOW)
@@ -108,7 +106,7 @@ def _apply(w: World, snapshot, decision) -> None:
         check_routing_transition(decision.routing.from_state, decision.routing.to_state)
         w.routing, w.routing_since = decision.routing.to_state, w.now
     if w.routing is R.MIXED:
-        assert round(decision.mix_weight * 100) in w.settings.HYBRID_MIX_WEIGHTS
+        assert round(decision.mix_weight * 100) in w.config.autoscaling_policy.mix_weights
     elif w.routing is R.VLLM_PRIMARY:
         assert decision.mix_weight == 1.0
     else:

@@ -15,7 +15,7 @@ from typing import Any
 
 from policy import decide
 from shared.contracts.backends import Action, BackendType, EngineKind
-from shared.contracts.config import AliasConfig, PolicySettings
+from shared.contracts.config import AliasConfig, ControllerConfig
 from shared.contracts.control import (
     AliasSnapshot,
     Decision,
@@ -26,6 +26,7 @@ from shared.contracts.control import (
     StartFailure,
 )
 from shared.contracts.effects import EngineStep, effect_of
+from shared.contracts.policies import HybridPolicyConfig
 from shared.contracts.states import (
     IllegalTransition,
     InstanceState,
@@ -50,6 +51,11 @@ def alias_config(fast: tuple[int, int] | None = (0, 2), slow: tuple[int, int] | 
     return AliasConfig.model_validate({"alias": "a", "backends": backends, **extra})
 
 
+def with_hybrid(config: AliasConfig, **params: Any) -> AliasConfig:
+    """`config` under the hybrid policy with `params` (HybridPolicyConfig's fields)."""
+    return config.model_copy(update={"autoscaling_policy": HybridPolicyConfig(**params)})
+
+
 @dataclass
 class Delays:
     start: dict[BackendType, float] = field(default_factory=lambda: {FAST: 2.0, SLOW: 40.0})
@@ -59,7 +65,7 @@ class Delays:
 @dataclass
 class World:
     config: AliasConfig = field(default_factory=alias_config)
-    settings: PolicySettings = field(default_factory=PolicySettings)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
     delays: Delays = field(default_factory=Delays)
     capacity: dict[BackendType, int] = field(default_factory=lambda: {FAST: 4, SLOW: 38})
     now: datetime = T0
@@ -84,7 +90,7 @@ class World:
 
     def snapshot(self, metrics: MetricWindow | None = None, demand: int = 0) -> AliasSnapshot:
         return AliasSnapshot(
-            alias=self.config.alias, version=self.version, config=self.config, settings=self.settings,
+            alias=self.config.alias, version=self.version, config=self.config, controller=self.controller,
             routing_state=self.routing, routing_since=self.routing_since, mix_weight=self.mix_weight,
             targets=dict(self.targets), state=self.state,
             instances=tuple(sorted(self.instances.values(), key=lambda i: i.instance_id)),

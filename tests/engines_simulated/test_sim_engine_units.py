@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
 
 from services.engines.simulated import synthetic
 from services.engines.simulated.config import GIB, EngineConfig
 from services.engines.simulated.lifecycle import EngineState, Lifecycle, LifecycleError
+from shared.contracts.config import ConfigError
 
 
 def test_settings_layer_profile_then_env_then_arguments() -> None:
@@ -38,13 +38,13 @@ def test_kv_capacity_follows_memory_and_must_hold_one_full_context() -> None:
     config = EngineConfig.resolve("vllm", env={})
     expected = int((24 * 0.9 - 4.3 - 0.5) * GIB) // 114_688
     assert config.kv_tokens == expected
-    with pytest.raises(ValidationError):
+    with pytest.raises(ConfigError, match="KV capacity"):
         EngineConfig.resolve("vllm", env={}, kv_cache_tokens=1000, max_model_len=8000)
-    with pytest.raises(ValidationError):
+    with pytest.raises(ConfigError, match="KV capacity"):
         EngineConfig.resolve("vllm", env={}, max_model_len=262144)  # more than the KV pool holds
     llama = EngineConfig.resolve("llama.cpp", env={}, max_model_len=32768)
     assert llama.kv_tokens == 32768 * llama.max_num_seqs  # one context per slot
-    with pytest.raises(ValidationError):
+    with pytest.raises(ConfigError, match="speedup in environment variable MODELPOOL_SIM_ENGINE_SPEEDUP"):
         EngineConfig.resolve("vllm", env={"MODELPOOL_SIM_ENGINE_SPEEDUP": "0"})
 
 

@@ -19,7 +19,7 @@ from services.gateway.main import serve
 from services.runtime import ServiceContext, open_context
 from shared.bus.relay import Relay
 from shared.contracts.backends import BackendType, EngineKind
-from shared.contracts.config import AliasConfig, PoolConfig
+from shared.contracts.config import AliasConfig, GatewayConfig, PoolConfig
 from shared.contracts.events import AliasConfigured, InstanceStateChanged, MixWeightChanged, RoutingStateChanged
 from shared.contracts.messages import Envelope
 from shared.contracts.states import InstanceState, RoutingState
@@ -124,8 +124,15 @@ class Gateways:
     relay_task: asyncio.Task | None = None
 
     async def start(self, pool: PoolConfig | None = None, **overrides) -> RunningGateway:
+        """A gateway serving `pool`; `overrides` of its pool file's `gateway:` section (`metric_window_s=1`) go there,
+        the rest over its settings (`admin_token=...`)."""
         port = free_port()
-        settings = self.settings.model_copy(update={"gateway_port": port, "gateway_id": f"g{len(self.started) + 1}", **overrides})
+        gateway = {k: overrides.pop(k) for k in list(overrides) if k in GatewayConfig.model_fields}
+        settings = self.settings.model_copy(update={"gateway_port": port, "gateway_id": f"g{len(self.started) + 1}",
+                                                    **overrides})
+        if gateway:
+            pool = pool or PoolConfig()
+            pool = pool.model_copy(update={"gateway": pool.gateway.model_validate({**pool.gateway.model_dump(), **gateway})})
         ctx = await open_context("gateway", settings, self.stack)
         if self.relay_task is None:
             relay = Relay(ctx.store, ctx.js, ctx.subjects, ctx.telemetry, listen_dsn=settings.asyncpg_dsn, schema=settings.namespace)

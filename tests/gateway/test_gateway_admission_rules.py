@@ -10,7 +10,7 @@ from routing.queue import AdmissionQueueFull
 from services.gateway.admission import Waiter
 from services.gateway.routing import Slot
 from shared.projections.readmodels import INSTANCES
-from tests.gateway.stage_support import pool, row
+from stage_support import pool, row
 
 
 async def test_an_instance_takes_its_capacity_and_waiters_get_freed_slots_in_arrival_order():

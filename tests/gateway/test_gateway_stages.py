@@ -28,7 +28,7 @@ from shared.eventlog.memory import MemoryEventStore
 from shared.metering import RequestOutcome, RequestTrace
 from shared.openai_protocol import ENGINE_HEADER, APIError
 from shared.telemetry import Telemetry
-from tests.gateway.stage_support import pool, row
+from stage_support import pool, row
 
 SLOW = BackendType.VLLM
 

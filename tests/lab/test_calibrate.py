@@ -31,14 +31,14 @@ def alias(policy: dict | None = None, fast: bool = True) -> AliasConfig:
 def generated() -> RunRecord:
     # Three waves, 10 minutes apart: vLLM starts in the first, sleeps between, wakes for the others.
     _, trace = workloads.load("cold-wave", 4, {"waves": "3", "wave_requests": "300", "output_tokens": "512"})
-    return run(alias(), PoolConfig().policy, LabSettings(seed=4), trace).record
+    return run(alias(), PoolConfig().controller, LabSettings(seed=4), trace).record
 
 
 def saturated_rate() -> float:
     """What one vLLM instance answers per second when it never runs dry, measured directly."""
     one = alias({"name": "periodic", "schedule": [[0, 1]], "min_instances": 1, "max_instances": 1}, fast=False)
     _, trace = workloads.load("sustained", 5, {"rate": "12", "duration_s": "600", "output_tokens": "512"})
-    result = run(one, PoolConfig().policy, LabSettings(seed=5, queue_size=100_000, queue_timeout_s=10_000,
+    result = run(one, PoolConfig().controller, LabSettings(seed=5, queue_size=100_000, queue_timeout_s=10_000,
                                                        drain_s=0), trace)
     answered = sorted(s.arrival + s.e2e for s in result.served if s.e2e is not None)
     steady = [t for t in answered if STARTUP_S + 60 <= t <= 600]  # past the start, before the queue dries up
@@ -67,14 +67,14 @@ def test_the_semi_analytic_values_follow_seed_000():
     c = 4.5
     rho_up = (c - math.sqrt(4.0 / (0.1 * 12 + 0.0001 * 60))) / c
     assert 0.5 < rho_up < 0.7
-    assert init.settings["HYBRID_ALPHA"] == round(rho_up, 2)
-    assert init.settings["HYBRID_BETA"] == round(rho_up - 0.15, 2)
+    assert init.params["alpha"] == round(rho_up, 2)
+    assert init.params["beta"] == round(rho_up - 0.15, 2)
     lam_prepare = 60 * 0.5 ** 2 / (1 + 60 * 0.5)
-    assert init.settings["HYBRID_PREPARE_CONC"] == math.ceil(lam_prepare / 0.5)
-    assert init.settings["HYBRID_DOWN_HOLD_S"] == 180.0 and init.settings["HYBRID_UP_CONSECUTIVE"] == 2
+    assert init.params["prepare_conc"] == math.ceil(lam_prepare / 0.5)
+    assert init.params["down_hold_s"] == 180.0 and init.params["up_consecutive"] == 2
     assert init.heteroscale_target_tps == 1400.0
-    text = fragment(init.settings, init.heteroscale_target_tps, init.derivation, "test")
-    assert "policy:\n  HYBRID_ALPHA:" in text and "target_decode_tps_per_instance: 1400" in text
+    text = fragment(init.params, init.heteroscale_target_tps, init.derivation, "test")
+    assert "autoscaling_policy: {name: hybrid, alpha:" in text and "target_decode_tps_per_instance: 1400" in text
 
 
 def test_the_search_keeps_only_changes_that_lower_the_objective(generated):
@@ -82,8 +82,8 @@ def test_the_search_keeps_only_changes_that_lower_the_objective(generated):
     pool = PoolConfig(aliases=[a])
     a, pool, lab = apply_sets(pool, None, parse_sets([]), LabSettings(seed=1, drain_s=60))
     _, trace = workloads.load("cold-wave", 1, {"waves": "1", "wave_requests": "80", "idle_s": "10"})
-    start = {"HYBRID_ALPHA": 0.7, "HYBRID_BETA": 0.3, "HYBRID_PREPARE_CONC": 3, "HYBRID_DOWN_HOLD_S": 180.0,
-             "HYBRID_UP_CONSECUTIVE": 2}
-    best, history = search(a, pool.policy, lab, trace, start, rounds=1)
+    start = {"alpha": 0.7, "beta": 0.3, "prepare_conc": 3, "down_hold_s": 180.0,
+             "up_consecutive": 2}
+    best, history = search(a, pool.controller, lab, trace, start, rounds=1)
     assert history[0]["params"] == start
     assert min(h["objective"] for h in history) == next(h["objective"] for h in history if h["params"] == best)

@@ -25,7 +25,7 @@ def lab_run(policy: str = "hybrid", workload: str = "cold-wave", seed: int = 0, 
     parsed = parse_sets([f"autoscaling_policy={policy}", *sets])
     alias, pool, lab = apply_sets(pool, None, parsed, LabSettings(seed=seed, drain_s=120))
     _, trace = workloads.load(workload, seed, overrides if overrides is not None else WAVE)
-    return run(alias, pool.policy, lab, trace)
+    return run(alias, pool.controller, lab, trace)
 
 
 def test_a_run_is_deterministic_for_a_seed_and_differs_for_another():
@@ -69,7 +69,7 @@ async def test_changing_a_rule_in_the_policy_module_changes_the_pool(monkeypatch
     # The same change as above, in the autoscaler service on the real log and bus: it starts two, not one.
     from services.autoscaler.controller import Controller
     from shared.bus.telemetry import TelemetryBus
-    from shared.contracts.config import load_pool_config
+    from shared.configuration import load_pool_config
     from shared.contracts.telemetry import DemandSignal
     from shared.eventlog.lease import AdvisoryLease
 

@@ -6,9 +6,9 @@ from lab import workloads
 from lab.agreement import compare, lab_run, pool_run
 
 POOL = """
-policy: {HYBRID_MIX_STEP_S: 3, HYBRID_DOWN_HOLD_S: 600}
 aliases:
   - alias: agree
+    autoscaling_policy: {name: hybrid, mix_step_s: 3, down_hold_s: 600}
     backends:
       llama.cpp: {model_name: agree, model_path: default, gpu_memory_gb: 6, min_replicas: 0, max_replicas: 2,
                   engine: simulator}

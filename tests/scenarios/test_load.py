@@ -7,11 +7,12 @@ from scenario import Requests, history, instance_rows, routing_path, steady_load
 WORKER = {"MODELPOOL_WORKER_GPU_MEMORY_GB": "24", "MODELPOOL_WORKER_SLOTS": "6"}
 
 
-def pool_file(policy: str, fast_max: int = 3, vllm_args: str = "{startup-s: 3}") -> str:
+def pool_file(params: str, fast_max: int = 3, vllm_args: str = "{startup-s: 3}") -> str:
+    """A pool of one alias, `tiny`, under the hybrid policy with `params` (its parameters, as YAML flow entries)."""
     return f"""
-policy: {{{policy}}}
 aliases:
   - alias: tiny
+    autoscaling_policy: {{name: hybrid, {params}}}
     backends:
       llama.cpp: {{model_name: tiny, model_path: default, gpu_memory_gb: 0, min_replicas: 0, max_replicas: {fast_max},
                   engine: simulator}}
@@ -24,7 +25,7 @@ UP = ["COLD->FAST_ONLY", "FAST_ONLY->WARMING_VLLM", "WARMING_VLLM->MIXED", "MIXE
 
 
 async def test_sustained_noisy_load_walks_the_ramp_step_by_step_reclaims_fast_buffers_and_does_not_flap(local_pool, store):
-    pool = local_pool(pool_file("HYBRID_MIX_STEP_S: 2, HYBRID_DOWN_HOLD_S: 600, LLAMA_SCALE_DOWN_COOLDOWN_S: 3"),
+    pool = local_pool(pool_file("mix_step_s: 2, down_hold_s: 600, llama_scale_down_cooldown_s: 3"),
                       workers={"w1": WORKER})
     tally = Requests()
     await steady_load(pool.gateway, "tiny", tally, concurrency=10, seconds=40, think_s=0.3)
@@ -38,7 +39,7 @@ async def test_sustained_noisy_load_walks_the_ramp_step_by_step_reclaims_fast_bu
     switched = {e.payload["to_state"]: e.occurred_at for e in events if e.type == "RoutingStateChanged"}
     mixed_steps = [e.occurred_at for e in events if e.type == "MixWeightChanged"]
     for earlier, later in zip([switched["MIXED"], *mixed_steps], [*mixed_steps, switched["VLLM_PRIMARY"]]):
-        assert (later - earlier).total_seconds() >= 2.0  # each weight held HYBRID_MIX_STEP_S
+        assert (later - earlier).total_seconds() >= 2.0  # each weight held mix_step_s
     # The burst scaled llama.cpp out (10 in flight / 4 slots), vLLM took over, and the buffer went back
     # to the floor: one replica per cooldown, drained before deleted.
     fast_starts = [e for e in events if e.type == "PlacementDecided" and e.payload["backend_type"] == "llama.cpp"]
@@ -52,9 +53,9 @@ async def test_sustained_noisy_load_walks_the_ramp_step_by_step_reclaims_fast_bu
 
 
 async def test_load_falls_fast_first_then_vllm_sleeps_and_returning_load_wakes_it_then_it_is_deleted(local_pool, store):
-    pool = local_pool(pool_file("HYBRID_MIX_STEP_S: 1, HYBRID_DOWN_HOLD_S: 3, LLAMA_SCALE_DOWN_COOLDOWN_S: 1,"
-                                " VLLM_SLEEP_L1_IDLE_S: 3, VLLM_SLEEP_L2_IDLE_S: 6, VLLM_DELETE_IDLE_S: 12,"
-                                " HYBRID_COLD_IDLE_S: 600"),
+    pool = local_pool(pool_file("mix_step_s: 1, down_hold_s: 3, llama_scale_down_cooldown_s: 1,"
+                                " vllm_sleep_l1_idle_s: 3, vllm_sleep_l2_idle_s: 6, vllm_delete_idle_s: 12,"
+                                " cold_idle_s: 600"),
                       workers={"w1": WORKER})
     tally = Requests()
     await steady_load(pool.gateway, "tiny", tally, concurrency=8, seconds=20)
@@ -99,7 +100,7 @@ async def test_load_falls_fast_first_then_vllm_sleeps_and_returning_load_wakes_i
 
 
 async def test_vllm_failing_to_start_degrades_llamacpp_serves_throughout_and_it_is_retried_at_the_window(local_pool, store):
-    pool = local_pool(pool_file("HYBRID_RETRY_S: 4", fast_max=2, vllm_args="{startup-s: 1, fail-start: true}"),
+    pool = local_pool(pool_file("retry_s: 4", fast_max=2, vllm_args="{startup-s: 1, fail-start: true}"),
                       workers={"w1": WORKER})
     tally = Requests()
     await steady_load(pool.gateway, "tiny", tally, concurrency=6, seconds=22)

@@ -1,4 +1,4 @@
-"""Engine settings: seed 003's defaults, then the environment, then explicit arguments."""
+"""Engine settings: seed 003's defaults, then the environment, then explicit arguments (`shared/configuration.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shared.configuration import environment_names, from_environment, layered
 
 ENV_PREFIX = "MODELPOOL_LLAMACPP_"
 LLAMA_MAX_SEQ = 256
@@ -93,10 +95,4 @@ class EngineSettings(BaseModel):
     def load(cls, overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> "EngineSettings":
         """Defaults, then `MODELPOOL_LLAMACPP_*` variables, then explicit (non-None) overrides."""
         env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for name in cls.model_fields:
-            raw = env.get(ENV_PREFIX + name.upper())
-            if raw is not None and raw != "":
-                values[name] = raw
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        return cls.model_validate(values)
+        return layered(cls, [*from_environment(env, environment_names(cls, ENV_PREFIX)), ("arguments", overrides or {})])

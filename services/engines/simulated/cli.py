@@ -11,9 +11,9 @@ import argparse
 import logging
 import sys
 
-from pydantic import ValidationError
 
 from services.engines.simulated.config import EngineConfig
+from shared.contracts.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,8 +67,8 @@ def main(argv: list[str]) -> int:
     log_level = args.pop("log_level")
     try:
         config = EngineConfig.resolve(profile, **args)
-    except ValidationError as exc:
-        print(f"modelpool engine sim: invalid settings:\n{exc}", file=sys.stderr)
+    except ConfigError as exc:
+        print(f"modelpool engine sim: invalid settings: {exc}", file=sys.stderr)
         return 2
 
     import uvicorn

@@ -1,4 +1,4 @@
-"""Settings of the simulated engine: profile defaults, then environment, then arguments.
+"""Settings of the simulated engine: profile defaults, then environment, then arguments (`shared/configuration.py`).
 
 The two profiles mimic the engines the pool really runs. Numbers are defaults a
 user can override; the ones that matter for the pool's behaviour (start-up and
@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
+
+from shared.configuration import environment_names, from_environment, layered
 
 Profile = Literal["vllm", "llama.cpp"]
 PreemptionModeName = Literal["swap", "sacrifice"]
@@ -155,16 +157,6 @@ class EngineConfig(BaseModel):
         }
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], prefix: str = ENV_PREFIX) -> dict[str, Any]:
-        """`<prefix><FIELD>` variables, e.g. MODELPOOL_SIM_ENGINE_SPEEDUP=10."""
-        found: dict[str, Any] = {}
-        for name in cls.model_fields:
-            value = env.get(prefix + name.upper())
-            if value is not None and value != "":
-                found[name] = value
-        return found
-
-    @classmethod
     def resolve(
         cls,
         profile: Profile = "vllm",
@@ -174,9 +166,9 @@ class EngineConfig(BaseModel):
         """Defaults of the profile, then `MODELPOOL_SIM_ENGINE_*`, then the profile's own variables
         (`MODELPOOL_SIM_VLLM_*` / `MODELPOOL_SIM_LLAMA_CPP_*`), then explicit arguments (None = unset)."""
         env = os.environ if env is None else env
-        layers: dict[str, Any] = cls.profile_defaults(profile)
-        layers.update(cls.from_env(env))
-        layers.update(cls.from_env(env, PROFILE_ENV_PREFIXES[profile]))
-        layers.update({k: v for k, v in explicit.items() if v is not None})
-        layers["profile"] = profile
-        return cls.model_validate(layers)
+        return layered(cls, [
+            (f"the {profile} profile", cls.profile_defaults(profile)),
+            *from_environment(env, environment_names(cls, ENV_PREFIX)),
+            *from_environment(env, environment_names(cls, PROFILE_ENV_PREFIXES[profile])),
+            ("arguments", explicit), ("the profile", {"profile": profile}),
+        ])
