@@ -45,7 +45,7 @@ from shared.net import free_ports  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 from simulation.agentic import AgenticShape, generate_agentic, io_ratio, skew  # noqa: E402
 
-from harness import Process, drop_namespace, record_running, wait_ready  # noqa: E402
+from harness import BenchService, drop_namespace, record_running, wait_ready  # noqa: E402
 
 ALIAS = "agent"
 ROUTERS = ("round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear")
@@ -77,7 +77,7 @@ async def migrations_of(settings: Settings, t_cool_wall_s: float) -> dict:
 async def run_router(router: str, args: argparse.Namespace, trace: list[TraceRequest], work: Path) -> dict:
     python = sys.executable
     settings = Settings.load({}, namespace=f"bench_ear_{secrets.token_hex(4)}")
-    processes: list[Process] = []
+    processes: list[BenchService] = []
     capacity = args.kv_cache_tokens // args.max_model_len  # what the worker reads from a vLLM engine
     try:
         engines: dict[str, tuple[str, str | None]] = {}
@@ -85,7 +85,7 @@ async def run_router(router: str, args: argparse.Namespace, trace: list[TraceReq
         for i in range(args.engines):
             port, internal_port = ports[2 * i], ports[2 * i + 1]
             engines[f"v{i}"] = (f"http://127.0.0.1:{port}", f"http://127.0.0.1:{internal_port}" if args.kv_moves else None)
-            processes.append(Process(f"{router}-engine-{i}", [
+            processes.append(BenchService(f"{router}-engine-{i}", [
                 python, "-m", "services.cli", "engine", "sim", "--profile", "vllm", "--model", ALIAS, "--port", str(port),
                 "--internal-port", str(internal_port), "--kv-transfer-gb-s", str(args.kv_transfer_gb_s),
                 "--speedup", str(args.speedup), "--startup-s", "0", "--seed", str(i),
@@ -100,7 +100,7 @@ async def run_router(router: str, args: argparse.Namespace, trace: list[TraceReq
                                   "engine": "simulator", "max_model_len": args.max_model_len}}})
         await record_running(settings, [(config, engines, capacity)])
         gateway_port = ports[-1]
-        gateway = Process(f"{router}-gateway", [python, "-m", "services.cli", "gateway"], work, {
+        gateway = BenchService(f"{router}-gateway", [python, "-m", "services.cli", "gateway"], work, {
             "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url, "MODELPOOL_NAMESPACE": settings.namespace,
             "MODELPOOL_GATEWAY_PORT": str(gateway_port), "MODELPOOL_GATEWAY_ID": "bench", "MODELPOOL_QUEUE_SIZE": "4096",
             "MODELPOOL_QUEUE_TIMEOUT_S": "600", "MODELPOOL_LOG_LEVEL": "WARNING"})

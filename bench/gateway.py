@@ -59,7 +59,7 @@ from shared.contracts.config import AliasConfig  # noqa: E402
 from shared.net import free_port  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 
-from harness import Process, drop_namespace, record_running, wait_ready  # noqa: E402
+from harness import BenchService, drop_namespace, record_running, wait_ready  # noqa: E402
 
 ALIAS = "tiny"
 OVERLOAD_ALIAS = "tiny-capped"
@@ -169,7 +169,7 @@ def overload_lines(access_log: Path) -> list[dict]:
             if " modelpool.access: " in line and marker in line and '"status":200' in line]
 
 
-async def overload(client: httpx.AsyncClient, gateway_url: str, gateway: Process, access_log: Path, capacity: int,
+async def overload(client: httpx.AsyncClient, gateway_url: str, gateway: BenchService, access_log: Path, capacity: int,
                    seconds: float) -> dict:
     """An instance taking `capacity` requests, loaded at its capacity and then at ten times it.
 
@@ -220,7 +220,7 @@ async def overload(client: httpx.AsyncClient, gateway_url: str, gateway: Process
     return phases
 
 
-async def open_streams(gateway_url: str, gateway: Process, n: int) -> dict:
+async def open_streams(gateway_url: str, gateway: BenchService, n: int) -> dict:
     """Hold `n` streams open through the gateway at once; its resident memory before and while they are open."""
     limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120), limits=limits,
@@ -292,16 +292,16 @@ def run_guidellm(venv: Path, gateway_url: str, out_dir: Path) -> dict:
 async def run(args: argparse.Namespace, work: Path) -> dict:
     python = sys.executable
     settings = Settings.load({}, namespace=f"bench_gw_{secrets.token_hex(4)}")
-    processes: list[Process] = []
+    processes: list[BenchService] = []
     engine_port, gateway_port = free_port(), free_port()
     engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
     try:
-        engine = Process("engine", [python, "-m", "services.cli", "engine", "sim", "--profile", "vllm", "--model", ALIAS,
+        engine = BenchService("engine", [python, "-m", "services.cli", "engine", "sim", "--profile", "vllm", "--model", ALIAS,
                                     "--port", str(engine_port), "--speedup", str(args.speedup), "--startup-s", "0",
                                     "--max-num-seqs", "1024", "--kv-cache-tokens", "4000000"], work)
         capped_port = free_port()
         capped_url = f"http://127.0.0.1:{capped_port}"
-        capped = Process("engine-capped", [python, "-m", "services.cli", "engine", "sim", "--profile", "vllm",
+        capped = BenchService("engine-capped", [python, "-m", "services.cli", "engine", "sim", "--profile", "vllm",
                                            "--model", OVERLOAD_ALIAS, "--port", str(capped_port), "--speedup", "10",
                                            "--startup-s", "0"], work)
         processes += [engine, capped]
@@ -309,7 +309,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         await wait_ready(f"{capped_url}/health", capped)
         await record_running(settings, [(vllm_alias(ALIAS), {f"{ALIAS}-1": (engine_url, None)}, None),
                                         (vllm_alias(OVERLOAD_ALIAS), {f"{OVERLOAD_ALIAS}-1": (capped_url, None)}, args.capacity)])
-        gateway = Process("gateway", [python, "-m", "services.cli", "gateway"], work, {
+        gateway = BenchService("gateway", [python, "-m", "services.cli", "gateway"], work, {
             "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url,
             "MODELPOOL_NAMESPACE": settings.namespace, "MODELPOOL_GATEWAY_PORT": str(gateway_port),
             "MODELPOOL_GATEWAY_ID": "bench", "MODELPOOL_QUEUE_SIZE": "4096", "MODELPOOL_API_KEYS": API_KEY})
@@ -319,7 +319,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         if args.litellm:
             litellm_port = free_port()
             litellm_url = f"http://127.0.0.1:{litellm_port}"
-            litellm = Process("litellm", [str(Path(args.litellm) / "bin/litellm"), "--config",
+            litellm = BenchService("litellm", [str(Path(args.litellm) / "bin/litellm"), "--config",
                                           str(litellm_config(work / "litellm.json", engine_url)),
                                           "--host", "127.0.0.1", "--port", str(litellm_port), "--num_workers", "1"],
                               work, {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",

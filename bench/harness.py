@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
 from sqlalchemy import text
 
+from services.cluster.supervisor import Child, stop
 from shared.bus.jetstream import connect
 from shared.bus.subjects import Subjects
 from shared.contracts.backends import BackendType, EngineKind
@@ -26,12 +25,13 @@ from shared.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Process:
+class BenchService(Child):
+    """A service a benchmark runs: a supervised child (`services/cluster/supervisor.py`) run from the repository's
+    root with the benchmark's environment over ours, logging to `<log_dir>/<name>.log`."""
+
     def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self.proc = subprocess.Popen(argv, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True, cwd=ROOT)
+        super().__init__(name, argv, {**os.environ, **(env or {})}, log_path=log_dir / f"{name}.log",
+                         death_signal=None, cwd=ROOT)
 
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -40,16 +40,10 @@ class Process:
         raise RuntimeError(f"no VmRSS for {self.name}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop([self], timeout_s=15.0)
 
 
-async def wait_ready(url: str, process: Process, timeout_s: float = 120.0) -> None:
+async def wait_ready(url: str, process: BenchService, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=2) as client:
         while True:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from services.gateway.kv_moves import move_kv  # noqa: E402
 from shared.net import free_ports  # noqa: E402
 
-from harness import Process, wait_ready  # noqa: E402
+from harness import BenchService, wait_ready  # noqa: E402
 
 ALIAS = "smollm2"
 
@@ -48,9 +48,9 @@ def say(message: str) -> None:
     print(f"[kv-move bench] {message}", file=sys.stderr, flush=True)
 
 
-def start(name: str, work: Path, args: argparse.Namespace) -> tuple[Process, str, str]:
+def start(name: str, work: Path, args: argparse.Namespace) -> tuple[BenchService, str, str]:
     port, internal = free_ports(2)
-    process = Process(name, [sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--model-alias", ALIAS,
+    process = BenchService(name, [sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--model-alias", ALIAS,
                              "--port", str(port), "--internal-port", str(internal), "--threads", str(args.threads),
                              "--n-seq-max", "4", "--n-ctx", str(4 * args.ctx_per_seq),
                              "--max-input-tokens", str(args.ctx_per_seq - 8), "--log-level", "warning"], work)

@@ -31,6 +31,7 @@ from datetime import datetime, timedelta, timezone
 
 from lab.config import LabSettings
 from lab.instance import LabInstance, TierModel
+from lab.outcomes import LogLine, Sample, Served
 from lab.record import RunRecord, Transition, WindowRecord
 from policy import decide
 from routing.backends import backend_order, taking_new
@@ -40,6 +41,7 @@ from routing.scheduler import Endpoint, RoutingRequest, SessionState
 from policy.placement import Placed, PlacementRequest, WorkerView, place
 from shared.contracts.backends import Action, BackendType, EngineKind, Role
 from shared.contracts.config import AliasConfig, ControllerConfig
+from shared.contracts.building import new_snapshot
 from shared.contracts.control import (
     Decision,
     InstanceView,
@@ -48,7 +50,6 @@ from shared.contracts.control import (
     PlannedAction,
     PolicyState,
     StartFailure,
-    new_snapshot,
 )
 from shared.contracts.effects import CommandEffect, EngineStep, effect_of
 from shared.contracts.states import IllegalTransition, InstanceState, RoutingState
@@ -80,49 +81,6 @@ class LabRequest:
     """Past its prefill on a prefill instance, waiting for or on a decode instance."""
     trace: RequestTrace | None = None
     """Its moments in the alias's metric window, as the gateway records them."""
-
-
-@dataclass(slots=True)
-class Served:
-    """One request's outcome."""
-
-    arrival: float
-    ttft: float | None
-    e2e: float | None
-    tbt: float | None
-    backend: str | None
-    queue_wait: float
-    lost: str | None = None
-    session: str = ""
-
-
-@dataclass(slots=True)
-class Sample:
-    """The cluster at the end of one metric window, for the plots and the objective (Delta = the window)."""
-
-    t: float
-    routing: str
-    awake: dict[str, int]
-    asleep: dict[str, int]
-    arrivals_per_s: float
-    memory_gb: float
-    actions: int
-    objective: float
-
-
-@dataclass(slots=True)
-class LogLine:
-    """One line of seed 001's scaling log: time,action,target,status,reason."""
-
-    t: float
-    action: str
-    target: str
-    status: str
-    reason: str
-
-    def csv(self) -> str:
-        reason = self.reason.replace("\n", " ")
-        return f"{self.t:.1f},{self.action},{self.target},{self.status},{reason}"
 
 
 @dataclass

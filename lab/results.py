@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from lab.cluster import Cluster, LogLine, Sample, Served
+from lab.cluster import Cluster
+from lab.outcomes import LogLine, Sample, Served
 from lab.config import LabSettings, tier_models
 from lab.record import RunRecord
 from shared.contracts.config import AliasConfig, ControllerConfig

@@ -12,14 +12,8 @@ from policy.hybrid import HybridPolicy
 from policy.ids import decision_id
 from policy.reconcile import Reconciler
 from policy.rules import plan_tiers
-from shared.contracts.control import (
-    AliasSnapshot,
-    Decision,
-    NextStep,
-    evolve,
-    new_decision,
-    new_policy_state,
-)
+from shared.contracts.building import evolve, new_decision, new_policy_state
+from shared.contracts.control import AliasSnapshot, Decision, NextStep
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (HybridPolicy(), HeteroScalePolicy(), UtilizationPolicy(),
                                                      LatencyPolicy(), PeriodicPolicy())}

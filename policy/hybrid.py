@@ -38,6 +38,7 @@ from policy.coldstart import first_serving
 from policy.load import Load, load_of
 from policy.text import fmt
 from shared.contracts.backends import BackendType
+from shared.contracts.building import evolve
 from shared.contracts.control import (
     AliasSnapshot,
     ColdStart,
@@ -46,7 +47,6 @@ from shared.contracts.control import (
     MixChange,
     NextStep,
     RoutingChange,
-    evolve,
 )
 from shared.contracts.policies import HybridPolicyConfig
 from shared.contracts.states import InstanceState, RoutingState

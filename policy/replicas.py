@@ -31,7 +31,8 @@ from policy.rules import bounded_roles
 from shared.contracts.backends import BackendType, Role
 from shared.contracts.config import AliasConfig
 from shared.contracts.policies import ReplicaPolicyConfig
-from shared.contracts.control import AliasSnapshot, ColdStart, NextStep, RoutingChange, ScalerState, evolve
+from shared.contracts.building import evolve
+from shared.contracts.control import AliasSnapshot, ColdStart, NextStep, RoutingChange, ScalerState
 from shared.contracts.states import RoutingState
 
 R = RoutingState

@@ -1,8 +1,9 @@
 """Child processes: started tied to our life, stopped with everything they started, found again by a mark.
 
 Every process modelpool starts goes through here: the servers `modelpool up`
-embeds, the services it supervises, the pool `LocalPool` runs for tests and
-benchmarks, and the engines a worker runs. Each starts in a session of its own
+embeds, the services the one supervisor runs (`services/cluster/supervisor.py`:
+for `modelpool up`, the pools tests and benchmarks run, the benchmarks' own),
+and the engines a worker runs. Each starts in a session of its own
 (its own process group, so a signal reaches what it started) and, unless the
 caller says otherwise, gets a signal from the kernel when its parent dies, even
 by SIGKILL: nothing outlives the process that owns it unnoticed.

@@ -15,56 +15,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from services.processes import spawn
+from services.cluster.supervisor import Child, service_argv, stop
 from shared.net import free_port
 
 CONTROL_SERVICES = ("relay", "projector", "placement", "autoscaler", "gateway")
-
-
-class Process:
-    def __init__(self, name: str, command: str, env: dict[str, str], log_path: Path,
-                 extra_env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.command = command
-        self.extra_env = extra_env or {}
-        """What this process's environment adds to the pool's (restarted the same way)."""
-        self.log_path = log_path
-        self._log = open(log_path, "ab")
-        # Not tied to the starting thread's life: a pool is often started from a worker thread that ends first.
-        self.proc = spawn([sys.executable, "-m", "services.cli", command], output=self._log, env=env,
-                          death_signal=None)
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def signal(self, sig: int, wait_s: float = 30.0) -> int | None:
-        if self.alive:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            return self.proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait()
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        self._log.close()
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 class LocalPool:
@@ -90,7 +50,7 @@ class LocalPool:
             **(env or {}),
         }
         self.worker_settings = workers if workers is not None else {"w1": {}}
-        self.processes: dict[str, Process] = {}
+        self.processes: dict[str, Child] = {}
 
     @property
     def gateway(self) -> str:
@@ -111,18 +71,20 @@ class LocalPool:
             time.sleep(0.2)
         return self
 
-    def start_service(self, name: str, command: str | None = None, env: dict[str, str] | None = None) -> Process:
+    def start_service(self, name: str, command: str | None = None, env: dict[str, str] | None = None) -> Child:
         """Start `modelpool <command>` (default: `name`) as `name`; it writes whether it reaches its servers
         to `<workdir>/<name>.health.json` (`modelpool health --file ...` reads it)."""
         full_env = {**self.env, **(env or {}), "MODELPOOL_HEALTH_FILE": str(self.health_file(name))}
-        process = Process(name, command or name, full_env, self.workdir / f"{name}.log", env)
+        # Not tied to the starting thread's life: a pool is often started from a worker thread that ends first.
+        process = Child(name, service_argv(command or name), full_env, log_path=self.workdir / f"{name}.log",
+                        death_signal=None, extra_env=env)
         self.processes[name] = process
         return process
 
     def health_file(self, name: str) -> Path:
         return self.workdir / f"{name}.health.json"
 
-    def start_worker(self, worker_id: str) -> Process:
+    def start_worker(self, worker_id: str) -> Child:
         return self.start_service(f"worker-{worker_id}", "worker",
                                   {"MODELPOOL_WORKER_ID": worker_id, **self.worker_settings[worker_id]})
 
@@ -134,13 +96,13 @@ class LocalPool:
                                                        "MODELPOOL_GATEWAY_ID": f"gateway-{n}"})
         return port
 
-    def restart(self, name: str) -> Process:
+    def restart(self, name: str) -> Child:
         """Start a service that exited (or was killed) again, as it was started."""
-        old = self.processes.pop(name)
-        if old.alive:
+        process = self.processes[name]
+        if process.alive:
             raise RuntimeError(f"{name} is still running")
-        old.close()
-        return self.start_service(name, old.command, old.extra_env)
+        process.start_again()
+        return process
 
     def stop_service(self, name: str, sig: int = signal.SIGTERM) -> int | None:
         return self.processes.pop(name).signal(sig)
@@ -149,12 +111,16 @@ class LocalPool:
         return self.stop_service(f"worker-{worker_id}", sig)
 
     def stop(self) -> dict[str, int | None]:
-        # The gateway first (no new requests), workers last (their engines go with them).
-        order = sorted(self.processes, key=lambda n: (n.startswith("worker-"), n != "gateway"))
-        return {name: self.processes.pop(name).signal(signal.SIGTERM) for name in order}
+        """Every service: the gateways first (no new requests), the workers last (their engines go with them)."""
+        stopped = {}
+        for wave in (lambda n: n.startswith("gateway"), lambda n: not n.startswith("worker-"), lambda n: True):
+            names = [name for name in self.processes if wave(name)]
+            stop([self.processes[name] for name in names], timeout_s=30.0)
+            stopped.update({name: self.processes.pop(name).returncode for name in names})
+        return stopped
 
     def logs(self, tail: int = 3000) -> str:
-        return "\n".join(f"--- {p.name}\n{p.output()[-tail:]}" for p in self.processes.values())
+        return "\n".join(f"--- {p.name}\n{p.logged()[-tail:]}" for p in self.processes.values())
 
     def _healthy(self) -> bool:
         try:

@@ -17,23 +17,28 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
-import textwrap
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
-from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TextIO
 
-from services.cluster.embedded import LOCALHOST, EmbeddedNats, EmbeddedPostgres, EmbeddedServer, EmbeddedServerError
-from services.processes import descendants_of, is_alive, log_tail, processes_with_marker, spawn
+from services.cluster.embedded import LOCALHOST, EmbeddedNats, EmbeddedPostgres, EmbeddedServerError
+from services.cluster.supervisor import (
+    Child,
+    Output,
+    RestartRules,
+    Watched,
+    WatchedServer,
+    keep_running,
+    service_argv,
+    stop,
+)
+from services.processes import is_alive, processes_with_marker
 
 # Start order: the relay first so no committed event waits for a bus
 # publisher, then the projector that keeps the read models; the gateway last
@@ -133,199 +138,22 @@ class ShutdownRequest:
 
 
 # ---------------------------------------------------------------------------
-# restarts: when to start a process again, as pure bookkeeping
-
-
-@dataclass(frozen=True)
-class RestartRules:
-    """When a process that exited on its own starts again, and when `up` gives up on it."""
-
-    limit: int = 5
-    """Restarts allowed within `window_s`; one more exit in the window is a crash loop."""
-    window_s: float = 120.0
-    first_delay_s: float = 1.0
-    """The wait before a restart: this, doubled after each quick exit, at most `max_delay_s`."""
-    max_delay_s: float = 30.0
-    stable_after_s: float = 60.0
-    """A process that ran this long before it exited waits `first_delay_s` again."""
-
-
-@dataclass(frozen=True)
-class Restarts:
-    """One process's restarts so far: all the next decision needs."""
-
-    count: int = 0
-    delay_s: float = 0.0
-    """The wait before the latest restart; 0 before the first."""
-    exits: tuple[float, ...] = ()
-    """When it exited, within the last window."""
-
-
-def after_exit(rules: RestartRules, restarts: Restarts, started_at: float, exited_at: float) -> Restarts | None:
-    """`restarts` with this exit counted, its `delay_s` the wait before starting again; None: a crash loop."""
-    exits = (*(t for t in restarts.exits if exited_at - t < rules.window_s), exited_at)
-    if len(exits) > rules.limit:
-        return None
-    quick = restarts.delay_s > 0 and exited_at - started_at < rules.stable_after_s
-    delay = min(2 * restarts.delay_s, rules.max_delay_s) if quick else rules.first_delay_s
-    return Restarts(restarts.count + 1, delay, exits)
-
-
-# ---------------------------------------------------------------------------
 # children
 
 
-class Output:
-    """Serialised, prefixed writing of many children's lines to one stream."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.lock = threading.Lock()
-
-    def line(self, prefix: str, text: str) -> None:
-        with self.lock:
-            try:
-                self.stream.write(f"[{prefix}] {text}\n")
-                self.stream.flush()
-            except (OSError, ValueError):  # the terminal went away; keep running
-                pass
-
-    def forward(self, prefix: str, pipe: IO[bytes], recent: deque[str]) -> threading.Thread:
-        """Copy `pipe` line by line, prefixed, until it closes; `recent` keeps the last lines."""
-
-        def pump() -> None:
-            with pipe:
-                for raw in iter(pipe.readline, b""):
-                    text = raw.decode("utf-8", "replace").rstrip("\r\n")
-                    recent.append(text)
-                    self.line(prefix, text)
-
-        thread = threading.Thread(target=pump, name=f"output-{prefix}", daemon=True)
-        thread.start()
-        return thread
+def start_service(name: str, env: dict[str, str], output: Output) -> Child:
+    return Child(name, service_argv(name), env, output=output)
 
 
-class Watched(ABC):
-    """A process `up` keeps running: a service, or an embedded server it started."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.started_at = time.monotonic()
-        self.restarts = Restarts()
-        self.restart_at: float | None = None
-        """Once it exited: when it is due to start again."""
-
-    @property
-    @abstractmethod
-    def returncode(self) -> int | None:
-        """How it ended (negative: killed by that signal); None while it runs."""
-
-    @abstractmethod
-    def start_again(self) -> str:
-        """Start it again the way it was first started; returns what to tell the operator."""
-
-    @abstractmethod
-    def output_tail(self) -> str:
-        """The end of its output, to show why it keeps exiting."""
-
-
-# Lines of a service's output kept to show when it keeps exiting.
-OUTPUT_TAIL_LINES = 20
-
-
-class Child(Watched):
-    """A service process: in its own session, tied to `up` by the parent-death signal."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], output: Output) -> None:
-        super().__init__(name)
-        self.argv = argv
-        self.env = env
-        self.output = output
-        self.recent_output: deque[str] = deque(maxlen=OUTPUT_TAIL_LINES)
-        self.descendants: set[int] = set()
-        self.proc, self.pump = self._spawn()
-
-    def _spawn(self) -> tuple[subprocess.Popen[bytes], threading.Thread]:
-        proc = spawn(self.argv, output=subprocess.PIPE, death_signal=signal.SIGTERM, env=self.env)
-        assert proc.stdout is not None
-        return proc, self.output.forward(self.name, proc.stdout, self.recent_output)
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.poll()
-
-    def start_again(self) -> str:
-        self.proc, self.pump = self._spawn()
-        return f"{self.name} started again (pid {self.proc.pid})"
-
-    def output_tail(self) -> str:
-        self.pump.join(timeout=2.0)  # its last lines may still be in the pipe
-        return "\n".join(self.recent_output) or "(no output)"
-
-
-class WatchedServer(Watched):
-    """An embedded server `up` started: restarted on the same port and data, where the services look for it."""
-
-    def __init__(self, name: str, server: EmbeddedServer) -> None:
-        super().__init__(name)
-        self.server = server
-
-    @property
-    def returncode(self) -> int | None:
-        return self.server.returncode
-
-    def start_again(self) -> str:
-        self.server.start()
-        return f"{self.name} is back on {redact(self.server.url)}"
-
-    def output_tail(self) -> str:
-        return f"({self.server.log_path})\n{log_tail(self.server.log_path, limit=2000)}"
-
-
-class Children:
-    """The service processes: started in their own sessions, stopped together."""
-
-    def __init__(self, output: Output, stop_timeout_s: float) -> None:
-        self.output = output
-        self.stop_timeout_s = stop_timeout_s
-        self.started: list[Child] = []
-
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
-        child = Child(name, argv, env, self.output)
-        self.started.append(child)
-        return child
-
-    def run(self, name: str, argv: list[str], env: dict[str, str]) -> int:
-        """Run a one-shot child to completion (stopped like the others if interrupted)."""
-        child = self.start(name, argv, env)
-        code = child.proc.wait()
+def run_once(name: str, env: dict[str, str], output: Output, started: list[Child]) -> int:
+    """Run a one-shot service (the migrations) to completion, stopped like the others if interrupted."""
+    child = start_service(name, env, output)
+    started.append(child)
+    code = child.proc.wait()
+    if child.pump is not None:
         child.pump.join(timeout=2.0)
-        self.started.remove(child)
-        return code
-
-    def stop_all(self) -> None:
-        """SIGTERM every child's process group at once; SIGKILL what outlives the timeout."""
-        live = [child for child in self.started if child.proc.poll() is None]
-        for child in live:
-            child.descendants = set(descendants_of(child.proc.pid))
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout_s
-        for child in live:
-            try:
-                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.output.line("up", f"{child.name} did not stop within {self.stop_timeout_s:.0f} s; killing it")
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)
-                child.proc.wait()
-        for child in live:
-            for pid in child.descendants:
-                if is_alive(pid):
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, signal.SIGKILL)
-            child.pump.join(timeout=2.0)
-        self.started.clear()
+    started.remove(child)
+    return code
 
 
 def sweep(marker: str, output: Output) -> None:
@@ -396,21 +224,17 @@ def backing_servers(args: argparse.Namespace, env: dict[str, str], output: Outpu
             output.line("up", f"starting NATS JetStream (data in {data_dir / 'nats'})")
             nats = stack.enter_context(EmbeddedNats(data_dir / "nats", args.nats_port))
             nats_url, nats_origin = nats.url, f"embedded, pid {nats.pid}, log {nats.log_path}"
-            embedded.append(WatchedServer("NATS", nats))
+            embedded.append(WatchedServer("NATS", nats, redact(nats.url)))
         if env.get("DATABASE_URL"):
             database_url, pg_origin = env["DATABASE_URL"], "external (DATABASE_URL)"
         else:
             output.line("up", f"starting PostgreSQL 16 (data in {data_dir / 'postgres'})")
             postgres = stack.enter_context(EmbeddedPostgres(data_dir / "postgres", args.postgres_port))
             database_url, pg_origin = postgres.url, f"embedded, pid {postgres.pid}, log {postgres.log_path}"
-            embedded.append(WatchedServer("Postgres", postgres))
+            embedded.append(WatchedServer("Postgres", postgres, redact(postgres.url)))
         if embedded:
             stack.callback(output.line, "up", "stopping the embedded servers")
         yield BackingServers(nats_url, database_url, nats_origin, pg_origin, embedded)
-
-
-def service_argv(name: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", name]
 
 
 def engine_lines(env: dict[str, str]) -> list[str]:
@@ -469,30 +293,6 @@ def announce_cluster(directory: Path, env: dict[str, str]) -> Path:
     return path
 
 
-def keep_running(process: Watched, rules: RestartRules, output: Output) -> bool:
-    """Notice that `process` exited, or start it again when due; False: it is crash-looping."""
-    now = time.monotonic()
-    if process.restart_at is None:
-        code = process.returncode
-        if code is None:
-            return True
-        restarts = after_exit(rules, process.restarts, process.started_at, now)
-        if restarts is None:
-            exits = f"{rules.limit + 1} exits" if rules.limit else "1 exit"
-            output.line("up", f"{process.name} exited with code {code}, {exits} within {rules.window_s:g} s (--restart-limit {rules.limit}): "
-                        "a crash loop; stopping the cluster. The end of its output:\n" + textwrap.indent(process.output_tail(), "    "))
-            return False
-        process.restarts, process.restart_at = restarts, now + restarts.delay_s
-        output.line("up", f"{process.name} exited with code {code}; restarting it in {restarts.delay_s:g} s (restart {restarts.count})")
-    elif now >= process.restart_at:
-        process.restart_at, process.started_at = None, now
-        try:
-            output.line("up", process.start_again())
-        except EmbeddedServerError as exc:  # counted as an exit on the next pass
-            output.line("up", f"{process.name} did not start again: {str(exc).splitlines()[0]}")
-    return True
-
-
 def supervise(watched: list[Watched], rules: RestartRules, shutdown: ShutdownRequest, output: Output, health_url: str | None) -> int:
     """Keep every process running until a stop signal (exit 0) or a crash loop (exit 1)."""
     healthy = health_url is None
@@ -512,7 +312,7 @@ def supervise(watched: list[Watched], rules: RestartRules, shutdown: ShutdownReq
 def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> int:
     env = dict(os.environ)
     marker = f"{RUN_MARKER}={uuid.uuid4().hex}"
-    children = Children(output, args.stop_timeout)
+    children: list[Child] = []
     code = 1
     try:
         if "gateway" in args.services and not port_is_free(args.gateway_port):
@@ -538,24 +338,23 @@ def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> 
             cluster_file = announce_cluster(args.data_dir, env)
             try:
                 output.line("up", "applying migrations")
-                migrated = children.run("migrate", service_argv("migrate"), env)
+                migrated = run_once("migrate", env, output, children)
                 if migrated != 0:
                     output.line("up", f"migrations failed with code {migrated}; stopping")
                     return 1
-                for name in args.services:
-                    children.start(name, service_argv(name), env)
+                children.extend(start_service(name, env, output) for name in args.services)
                 output.line("up", banner(args, servers, env))
                 shutdown.starting = False
                 health = f"http://{LOCALHOST}:{args.gateway_port}/health" if "gateway" in args.services else None
                 rules = RestartRules(limit=args.restart_limit, window_s=args.restart_window)
-                code = supervise([*servers.embedded, *children.started], rules, shutdown, output, health)
+                code = supervise([*servers.embedded, *children], rules, shutdown, output, health)
             except Interrupted:
                 code = 0
             finally:
                 shutdown.starting = False
                 if shutdown.event.is_set():
                     output.line("up", f"{shutdown.signal_name or 'signal'} received; stopping services")
-                children.stop_all()
+                stop(children, args.stop_timeout, on_kill=output)
                 sweep(marker, output)
                 cluster_file.unlink(missing_ok=True)
                 output.line("up", "services stopped")

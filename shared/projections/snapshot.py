@@ -8,15 +8,8 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 
 from shared.contracts.config import AliasConfig, ControllerConfig
-from shared.contracts.control import (
-    AliasSnapshot,
-    InstanceView,
-    MetricWindow,
-    PendingCommand,
-    PolicyState,
-    new_instance_view,
-    new_snapshot,
-)
+from shared.contracts.building import new_instance_view, new_snapshot
+from shared.contracts.control import AliasSnapshot, InstanceView, MetricWindow, PendingCommand, PolicyState
 from shared.contracts.telemetry import InstanceStatus
 from shared.projections.rows import ControlRow, InstanceNote, InstanceRow, RoutingRow
 

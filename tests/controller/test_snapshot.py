@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from services.autoscaler.facts import LiveFacts
 from shared.projections.snapshot import InstanceViews, instance_views
 from shared.contracts.backends import Action, BackendType, EngineKind
-from shared.contracts.control import Decision, InstanceView, PolicyState, builder
+from shared.contracts.building import builder
+from shared.contracts.control import Decision, InstanceView, PolicyState
 from shared.contracts.states import InstanceState
 from shared.contracts.telemetry import InstanceStatus, WorkerHeartbeat
 from shared.projections.rows import InstanceNote, InstanceRow

