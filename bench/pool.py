@@ -140,7 +140,7 @@ class Record:
 
 
 @dataclass
-class Load:
+class PhaseLoad:
     t0: float
     records: list[Record] = field(default_factory=list)
 
@@ -202,7 +202,7 @@ def client_for(url: str, connections: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=connections + 4))
 
 
-async def progress(label: str, load: Load, store, every_s: float, stop: asyncio.Event) -> None:
+async def progress(label: str, load: PhaseLoad, store, every_s: float, stop: asyncio.Event) -> None:
     seen = 0
     while not stop.is_set():
         try:
@@ -243,7 +243,7 @@ async def run_pool(kind: str, base: Settings, args: argparse.Namespace, fast_sta
     began = datetime.now(timezone.utc)
     try:
         pool.start()
-        load = Load(time.monotonic())
+        load = PhaseLoad(time.monotonic())
         load_began = datetime.now(timezone.utc)
         stop = asyncio.Event()
         reporter = asyncio.create_task(progress(kind, load, store, args.every_s, stop))

@@ -31,7 +31,7 @@ from datetime import datetime, timedelta, timezone
 
 from lab.config import LabSettings
 from lab.instance import LabInstance, TierModel
-from lab.outcomes import LogLine, Sample, Served
+from lab.outcomes import LogLine, WindowSample, RequestResult
 from lab.record import RunRecord, Transition, WindowRecord
 from policy import decide
 from routing.backends import backend_order, taking_new
@@ -138,8 +138,8 @@ class Cluster:
         self.context: dict[str, int] = {}
         """Each session's context so far (its prompts and answers)."""
         # Measurements.
-        self.served: list[Served] = []
-        self.samples: list[Sample] = []
+        self.served: list[RequestResult] = []
+        self.samples: list[WindowSample] = []
         self.log: list[LogLine] = []
         self.commands = 0
         self.session_moves = 0
@@ -349,7 +349,7 @@ class Cluster:
         e2e = now - req.arrival
         tbt = (now - first) / (req.output_tokens - 1) if req.output_tokens > 1 else None
         wait = (req.admitted_at or now) - req.arrival
-        self.served.append(Served(req.arrival, ttft, e2e, tbt, backend.value, wait, session=req.session))
+        self.served.append(RequestResult(req.arrival, ttft, e2e, tbt, backend.value, wait, session=req.session))
         trace = req.trace
         assert trace is not None
         trace.content(1, first)  # the answer as the gateway reads it: the first token, then the rest
@@ -363,7 +363,7 @@ class Cluster:
             self._push(now + turn.delay_s, TURN, turn)
 
     def _lose(self, req: LabRequest, reason: str, outcome: RequestOutcome, now: float) -> None:
-        self.served.append(Served(req.arrival, None, None, None, None, now - req.arrival, reason, req.session))
+        self.served.append(RequestResult(req.arrival, None, None, None, None, now - req.arrival, reason, req.session))
         req.trace.finished(outcome, None)  # type: ignore[union-attr]
         self.later.pop(req.session, None)  # the agent gives up on its session
 
@@ -598,7 +598,7 @@ class Cluster:
                 asleep[key] = asleep.get(key, 0) + 1
         o = self.lab.objective
         j = o.beta * e2e + o.gamma * self.memory_gb - o.alpha * rate + o.eta * self._actions_in_window
-        self.samples.append(Sample(now, self.routing.value, awake, asleep, arrivals, self.memory_gb,
+        self.samples.append(WindowSample(now, self.routing.value, awake, asleep, arrivals, self.memory_gb,
                                    self._actions_in_window, j))
         self._actions_in_window = 0
 

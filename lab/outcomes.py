@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 
 @dataclass(slots=True)
-class Served:
+class RequestResult:
     """One request's outcome."""
 
     arrival: float
@@ -20,7 +20,7 @@ class Served:
 
 
 @dataclass(slots=True)
-class Sample:
+class WindowSample:
     """The cluster at the end of one metric window, for the plots and the objective (Delta = the window)."""
 
     t: float

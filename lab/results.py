@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from lab.cluster import Cluster
-from lab.outcomes import LogLine, Sample, Served
+from lab.outcomes import LogLine, WindowSample, RequestResult
 from lab.config import LabSettings, tier_models
 from lab.record import RunRecord
 from shared.contracts.config import AliasConfig, ControllerConfig
@@ -23,8 +23,8 @@ from shared.contracts.trace import TraceRequest
 class RunResult:
     policy: str
     alias: AliasConfig
-    served: list[Served]
-    samples: list[Sample]
+    served: list[RequestResult]
+    samples: list[WindowSample]
     log: list[LogLine]
     record: RunRecord
     summary: dict[str, Any] = field(default_factory=dict)

@@ -42,7 +42,7 @@ RELEASE_SUBSTITUTE = (Action.DRAIN, Action.DELETE)
 
 
 @dataclass(slots=True)
-class Step:
+class InstanceStep:
     action: Action
     level: int
     reason: str
@@ -52,20 +52,20 @@ def _idle_s(i: InstanceView, now: datetime) -> float:
     return 0.0 if i.inflight else max(0.0, (now - i.idle_since()).total_seconds())
 
 
-def ladder_step(i: InstanceView, ladder: Ladder, now: datetime) -> Step | None:
+def ladder_step(i: InstanceView, ladder: Ladder, now: datetime) -> InstanceStep | None:
     """The next step down `ladder` this instance has earned by its idleness, if any."""
     idle = _idle_s(i, now)
     level = i.sleep_level if i.state in (S.SLEEP_1, S.SLEEP_2) else 0
     can_sleep = supports(i.backend, Action.SLEEP) and Action.SLEEP not in i.unsupported
     if ladder.delete_after_s is not None and idle >= ladder.delete_after_s:
-        return Step(Action.DRAIN, 0, f"idle {idle:.0f} s >= {ladder.delete_after_s:g} s: drain, then delete")
+        return InstanceStep(Action.DRAIN, 0, f"idle {idle:.0f} s >= {ladder.delete_after_s:g} s: drain, then delete")
     # One rung at a time (§5.4): RUNNING -> SLEEP_1 -> SLEEP_2; a level is never skipped.
     wanted, after = (1, ladder.sleep_1_after_s) if level == 0 else (2, ladder.sleep_2_after_s if level == 1 else None)
     if after is None or idle < after:
         return None
     if can_sleep and i.inflight:
         return None  # a real sleep waits for the last request; the substitute (a drain) does not
-    return Step(Action.SLEEP, wanted, f"idle {idle:.0f} s >= {after:g} s: sleep level {wanted}")
+    return InstanceStep(Action.SLEEP, wanted, f"idle {idle:.0f} s >= {after:g} s: sleep level {wanted}")
 
 
 def next_ladder_time(i: InstanceView, ladder: Ladder) -> NextStep | None:
@@ -215,7 +215,7 @@ class Reconciler:
 
     # ------------------------------------------------------------------ commands
 
-    def _command(self, i: InstanceView, step: Step, plan_reason: str) -> bool:
+    def _command(self, i: InstanceView, step: InstanceStep, plan_reason: str) -> bool:
         """Emit `step` for `i`, or its substitute when `i` cannot take it. False when nothing can be sent."""
         action, reason = step.action, f"{step.reason}; {plan_reason}"
         substitute_for = None

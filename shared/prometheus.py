@@ -47,7 +47,7 @@ def family(out: list[str], name: str, kind: str, help_text: str) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class Sample:
+class MetricSample:
     """One sample line of the text exposition: `name{labels} value`."""
 
     name: str
@@ -60,9 +60,9 @@ _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
 
 
-def parse_samples(text: str) -> list[Sample]:
+def parse_samples(text: str) -> list[MetricSample]:
     """The samples of a Prometheus text exposition; comments and lines that are not samples are skipped."""
-    samples: list[Sample] = []
+    samples: list[MetricSample] = []
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -75,7 +75,7 @@ def parse_samples(text: str) -> list[Sample]:
         except ValueError:
             continue
         found = {k: _ESCAPE.sub(_unescape, v) for k, v in _LABEL.findall(labels or "")}
-        samples.append(Sample(name, found, number))
+        samples.append(MetricSample(name, found, number))
     return samples
 
 

@@ -10,7 +10,7 @@ data under `workdir`), so it can kill, pause and restart them on the same
 store and port, and a `LocalPool` of every service on them. A fault is one of
 `FAULTS`; `inject` performs it and returns when the faulted part is back (a
 server restarted, a service started again, a hung engine found and replaced),
-with the time of that return. `Load` is a set of clients looping requests
+with the time of that return. `ClientLoad` is a set of clients looping requests
 (every other one streamed) over the pool's gateway replicas, each request's
 outcome kept with its times; `ChaosPool.probe` measures how soon after a return
 the pool acts again: a request for a cold alias, and the seconds until the
@@ -150,7 +150,7 @@ class LoadReport:
                 "errors": dict(Counter(r.detail for r in failed).most_common(5))}
 
 
-class Load:
+class ClientLoad:
     """Clients looping requests over the gateways, one alias each in turn, every other request streamed.
 
     Like a load balancer in front of gateway replicas: a gateway that refuses the
@@ -172,7 +172,7 @@ class Load:
         self._task: asyncio.Task[None] | None = None
         self._next_gateway = itertools.cycle(range(len(gateways)))
 
-    def start(self) -> "Load":
+    def start(self) -> "ClientLoad":
         self._task = asyncio.create_task(self._run())
         return self
 
@@ -290,8 +290,8 @@ class ChaosPool:
         finally:
             self.servers.stop()
 
-    def load(self, aliases: list[str], *, clients: int = 4, **options: Any) -> Load:
-        return Load(self.gateways, aliases, clients=clients, **options).start()
+    def load(self, aliases: list[str], *, clients: int = 4, **options: Any) -> ClientLoad:
+        return ClientLoad(self.gateways, aliases, clients=clients, **options).start()
 
     def command(self, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
         """Run an operator command against this pool."""
@@ -397,7 +397,7 @@ class ChaosPool:
         """One request for a cold alias, sent now: (wall time its first instance was recorded STARTING — the
         controller decided and a worker carried it out — , the request's outcome)."""
         sent = time.time()
-        load = Load(self.gateways, [alias], clients=1)
+        load = ClientLoad(self.gateways, [alias], clients=1)
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as client:
             request = asyncio.create_task(load.one(client, alias, "probe", stream=False))
             started = await self.wait_for(f"a start of {alias}", lambda: self.transitions(alias, "STARTING"), timeout_s)
@@ -485,7 +485,7 @@ async def cold_start_postgres_away(chaos: ChaosPool, alias: str, outage_s: float
     """A request for a cold alias while Postgres is away for `outage_s`: the start is decided and completed once
     it is back. Detail: the request's outcome, and seconds from Postgres's return to the instance RUNNING."""
     chaos.servers.kill(chaos.servers.postgres)
-    load = Load(chaos.gateways, [alias], clients=1)
+    load = ClientLoad(chaos.gateways, [alias], clients=1)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s + outage_s)) as client:
         request = asyncio.create_task(load.one(client, alias, "cold", stream=True))
         await asyncio.sleep(outage_s)

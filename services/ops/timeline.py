@@ -81,7 +81,7 @@ class StateSpan:
 
 
 @dataclass(frozen=True)
-class Step:
+class StepValue:
     """A value that holds from `at` until the next step."""
 
     at: datetime
@@ -105,9 +105,9 @@ class Timeline:
     """The engines the alias's configuration named for each backend during the range."""
     spans: list[StateSpan]
     switches: list[Switch]
-    mix: list[Step]
+    mix: list[StepValue]
     """Share of traffic to vLLM (0..1): the weight in force at `since`, then each change."""
-    targets: dict[BackendType, list[Step]]
+    targets: dict[BackendType, list[StepValue]]
     instances: list[InstanceCounts]
     """The counts at `since`, then after each change."""
     load: list[MetricWindow]
@@ -251,8 +251,8 @@ def fold_timeline(alias: str, since: datetime, until: datetime, facts: Sequence[
     """The configuration in force at `since`, then every one recorded in the range."""
     spans_open: list[tuple[RoutingState, datetime, Switch | None]] = [(state, since, None)]
     switches: list[Switch] = []
-    mix = [Step(since, weight)]
-    target_steps = {b: [Step(since, n)] for b, n in targets.items()}
+    mix = [StepValue(since, weight)]
+    target_steps = {b: [StepValue(since, n)] for b, n in targets.items()}
     counted = [InstanceCounts(since, counts())]
     for stored in facts:
         at, event = stored.occurred_at, stored.event
@@ -272,10 +272,10 @@ def fold_timeline(alias: str, since: datetime, until: datetime, facts: Sequence[
         if now is None:  # nothing of the alias's own state recorded yet
             continue
         if now.mix_weight != weight:
-            mix.append(Step(at, now.mix_weight))
+            mix.append(StepValue(at, now.mix_weight))
         for backend in set(targets) | set(now.targets):
             if targets.get(backend) != now.targets.get(backend, 0):
-                target_steps.setdefault(backend, [Step(since, 0)]).append(Step(at, now.targets.get(backend, 0)))
+                target_steps.setdefault(backend, [StepValue(since, 0)]).append(StepValue(at, now.targets.get(backend, 0)))
         state, weight, targets = now.state, now.mix_weight, dict(now.targets)
     ends = [start for _, start, _ in spans_open[1:]] + [until]
     spans = [StateSpan(s, start, end, switch) for (s, start, switch), end in zip(spans_open, ends)]

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from services.ops.trace_replay import Replay, Served, summarise
+from services.ops.trace_replay import Replay, ReplayedRequest, summarise
 from shared.contracts.config import ConfigError
 from shared.contracts.trace import read_trace, write_trace
 from simulation.agentic import SEED_SKEW, AgenticShape, BurstyShape, generate_agentic, generate_bursty, io_ratio, skew
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def replay(args: argparse.Namespace) -> tuple[dict, list[Served]]:
+async def replay(args: argparse.Namespace) -> tuple[dict, list[ReplayedRequest]]:
     requests = read_trace(args.trace)
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -89,14 +89,14 @@ def progress(total: int):
     return answered
 
 
-def save_run(path: Path, summary: dict, served: list[Served]) -> None:
+def save_run(path: Path, summary: dict, served: list[ReplayedRequest]) -> None:
     path.write_bytes(orjson.dumps({"summary": summary, "requests": [dataclasses.asdict(s) for s in served]}))
 
 
-def load_run(path: Path) -> tuple[dict, list[Served]]:
+def load_run(path: Path) -> tuple[dict, list[ReplayedRequest]]:
     try:
         data = orjson.loads(path.read_bytes())
-        return data["summary"], [Served(**r) for r in data["requests"]]
+        return data["summary"], [ReplayedRequest(**r) for r in data["requests"]]
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
         raise ConfigError("<file>", f"not a file written by `modelpool trace run --out`: {exc}", str(path)) from None
 

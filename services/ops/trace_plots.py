@@ -10,10 +10,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from services.ops.trace_replay import Served, instance_changes  # noqa: E402
+from services.ops.trace_replay import ReplayedRequest, instance_changes  # noqa: E402
 
 
-def plot_runs(runs: dict[str, tuple[dict, list[Served]]], path: Path) -> Path:
+def plot_runs(runs: dict[str, tuple[dict, list[ReplayedRequest]]], path: Path) -> Path:
     """One column per measure, every run in each: `runs` maps a name to its summary and its requests."""
     fig, (cdf, bars, moves) = plt.subplots(1, 3, figsize=(17, 4.8))
     for name, (summary, served) in runs.items():

@@ -57,7 +57,7 @@ def first_messages(r: TraceRequest) -> list[dict[str, str]]:
 
 
 @dataclass
-class Served:
+class ReplayedRequest:
     """One replayed request as it went."""
 
     session_id: str
@@ -81,7 +81,7 @@ class Replay:
     clock: Callable[[], float] = time.monotonic
     speedup: float = 1.0
     open_loop: bool = False
-    served: list[Served] = field(default_factory=list)
+    served: list[ReplayedRequest] = field(default_factory=list)
     progress: Callable[[int], None] | None = None
     """Called with the number of requests answered so far, after each one."""
     answered: int = 0
@@ -125,7 +125,7 @@ class Replay:
         await self._send(r, messages)
 
     async def _send(self, r: TraceRequest, messages: list[dict[str, str]]) -> str | None:
-        record = Served(r.session_id, r.turn, self.clock())
+        record = ReplayedRequest(r.session_id, r.turn, self.clock())
         self.served.append(record)
         body = {"model": self.model, "messages": messages, "max_tokens": r.output_tokens, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
@@ -180,7 +180,7 @@ def _stats(values: list[float]) -> dict[str, float | None]:
             "p90": round(quantile(values, 0.9), 4), "p99": round(quantile(values, 0.99), 4)}
 
 
-def apc_bounds(ok: list[Served], requests: list[TraceRequest]) -> tuple[int, int]:
+def apc_bounds(ok: list[ReplayedRequest], requests: list[TraceRequest]) -> tuple[int, int]:
     """The most a prefix cache could have reused of the answered prompts: inside sessions, and across any of them.
 
     Inside a session, each later turn could reuse its predecessor's prompt and
@@ -202,7 +202,7 @@ def apc_bounds(ok: list[Served], requests: list[TraceRequest]) -> tuple[int, int
     return intra, intra + across
 
 
-def instance_changes(ok: list[Served]) -> tuple[int, list[tuple[str, float]]]:
+def instance_changes(ok: list[ReplayedRequest]) -> tuple[int, list[tuple[str, float]]]:
     """Turns served elsewhere than their session's previous turn, and when (session, sent) each was."""
     last: dict[str, str] = {}
     changes: list[tuple[str, float]] = []
@@ -215,7 +215,7 @@ def instance_changes(ok: list[Served]) -> tuple[int, list[tuple[str, float]]]:
     return len(changes), changes
 
 
-def summarise(served: list[Served], requests: list[TraceRequest], wall_s: float, speedup: float = 1.0) -> dict:
+def summarise(served: list[ReplayedRequest], requests: list[TraceRequest], wall_s: float, speedup: float = 1.0) -> dict:
     """Every number of the replay, in the trace's own seconds (wall seconds times `speedup`)."""
     ok = [s for s in served if s.done is not None and s.error is None]
     ttft = [(s.first - s.sent) * speedup for s in ok if s.first is not None]
