@@ -50,24 +50,30 @@ class AdmissionQueue(Generic[R, S]):
     def __len__(self) -> int:
         return len(self.waiting)
 
-    def admit(self, request: R, now: float, take: Callable[[R], S | None], per_session: bool,
-              readmitted: bool = False) -> S | None:
-        """A slot now, or None with the request queued; `AdmissionQueueFull` when the queue is full.
+    def may_take_now(self, per_session: bool) -> bool:
+        """Whether a newcomer may try for a slot before queueing: when nobody waits ahead of it, or when those
+        who do wait for their session's instance only."""
+        return not self.waiting or per_session
 
-        A `readmitted` request (one that was served once and needs a slot again, as
-        a prefilled request on its way to a decode instance) goes to the head and is
-        never refused.
-        """
-        if not self.waiting or per_session:
-            slot = take(request)
-            if slot is not None:
-                return slot
+    def enqueue(self, request: R, now: float, readmitted: bool = False) -> None:
+        """A place at the end of the queue; `AdmissionQueueFull` when it is full. A `readmitted` request (one that
+        was served once and needs a slot again, as a prefilled request on its way to a decode instance) goes to
+        the head and is never refused."""
         if readmitted:
             self.requeue(request)
-            return None
+            return
         if len(self.waiting) >= self.size:
             raise AdmissionQueueFull(self.alias, len(self.waiting), self.retry_after_s(now))
         self.waiting.append(request)
+
+    def admit(self, request: R, now: float, take: Callable[[R], S | None], per_session: bool,
+              readmitted: bool = False) -> S | None:
+        """A slot now, or None with the request queued (`may_take_now`, then `enqueue`)."""
+        if self.may_take_now(per_session):
+            slot = take(request)
+            if slot is not None:
+                return slot
+        self.enqueue(request, now, readmitted)
         return None
 
     def requeue(self, request: R) -> None:

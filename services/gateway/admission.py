@@ -168,12 +168,14 @@ class Admission:
     def admit(self, alias: str, ask: Ask = NO_PROMPT) -> Slot | Waiter:
         """A slot now, or a place at the end of the alias's queue; `AdmissionQueueFull` when the queue is full."""
         queue = self.queues.get(alias)
+        if queue is None or queue.queue.may_take_now(self._per_session(alias)):
+            slot = self.router.take(alias, ask)  # the common case: no queue at all, and no object made for one
+            if slot is not None:
+                return slot
         if queue is None:
             queue = self.queues[alias] = AliasQueue(alias, AdmissionQueue(alias, self.queue_size))
         waiter = Waiter(alias, ask, self.clock(), asyncio.get_running_loop().create_future())
-        slot = queue.queue.admit(waiter, waiter.entered, self._take(alias), self._per_session(alias))
-        if slot is not None:
-            return slot
+        queue.queue.enqueue(waiter, waiter.entered)
         self.meter.of(alias).add_held(1)
         self._note_cold(queue)
         return waiter
