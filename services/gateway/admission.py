@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from routing.queue import AdmissionQueue, AdmissionQueueFull
 from services.gateway.client_stream import ClientStream
@@ -66,7 +66,7 @@ class AliasQueue:
     queue: AdmissionQueue[Waiter, Slot]
     cold: bool = False
     """Requests waited while nothing of the alias was routable: the next slot granted ends a cold start."""
-    signaller: asyncio.Task[None] | None = field(default=None)
+    signaller: asyncio.Task[None] | None = None
     """Sends the alias's demand signals while any of its requests waits."""
 
 
@@ -82,8 +82,8 @@ class Admission:
 
     def __init__(self, router: Router, meter: Meter, metrics: GatewayMetrics,
                  publish_demand: Callable[[DemandSignal], Awaitable[None]], gateway_id: str, queue_size: int,
-                 clock: Callable[[], float], queue_timeout_s: float = 60.0,
-                 start_budget_s: Callable[[str], float] = lambda alias: 60.0, keepalive_s: float = 10.0) -> None:
+                 clock: Callable[[], float], queue_timeout_s: float, start_budget_s: Callable[[str], float],
+                 keepalive_s: float) -> None:
         self.router = router
         self.meter = meter
         self.metrics = metrics

@@ -56,7 +56,7 @@ def pool(*rows: InstanceRow, state: RoutingState = RoutingState.FAST_ONLY, queue
     router = Router(view, random.Random(0), sessions=sessions)  # type: ignore[arg-type]
     budget = limits.pop("start_budget_s", 60.0)
     admission = Admission(router, Meter("g1", 2.0, clock), GatewayMetrics(), publish, "g1", queue_size, clock,
-                          start_budget_s=lambda alias: budget, **limits)
+                          limits.pop("queue_timeout_s", 60.0), lambda alias: budget, limits.pop("keepalive_s", 5.0))
     return admission, view, clock, signals
 
 
