@@ -157,7 +157,7 @@ def pool_config(data: Mapping[str, Any], *, source: str | None = None, environ: 
     legacy_file = _mapping(data, "policy", source)
     legacy_env = {name: environ[name] for name in (*LEGACY_HYBRID, *LEGACY_CONTROLLER) if environ.get(name)}
     hybrid_file, controller_file = _legacy(legacy_file, source)
-    hybrid_env, controller_env = _legacy(legacy_env, "the environment")
+    hybrid_env, _ = _legacy(legacy_env, "the environment")  # the controller's variables are layers of their own below
     if legacy_file or legacy_env:
         log.warning("%s: a pool-wide `policy:` section (or HYBRID_*-style variables) is read as each hybrid alias's "
                     "autoscaling_policy and the controller: section; write them there", source or "pool")
