@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import aiohttp
@@ -37,6 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.gateway.kv_moves import move_kv  # noqa: E402
+from shared.contracts.backends import BackendType, EngineKind  # noqa: E402
+from shared.contracts.states import InstanceState  # noqa: E402
+from shared.projections.rows import InstanceRow  # noqa: E402
 from shared.net import free_ports  # noqa: E402
 
 from harness import BenchService, wait_ready  # noqa: E402
@@ -46,6 +50,12 @@ ALIAS = "smollm2"
 
 def say(message: str) -> None:
     print(f"[kv-move bench] {message}", file=sys.stderr, flush=True)
+
+
+def engine_row(instance_id: str, internal: str) -> InstanceRow:
+    """A running llama.cpp instance as the gateway's view holds it: what `move_kv` reads of its source and target."""
+    return InstanceRow(instance_id, ALIAS, BackendType.LLAMA_CPP, EngineKind.LLAMA_CPP, "w1", InstanceState.RUNNING,
+                       0, 0, None, None, internal, None, "running", datetime.now(timezone.utc))
 
 
 def start(name: str, work: Path, args: argparse.Namespace) -> tuple[BenchService, str, str]:
@@ -85,8 +95,8 @@ async def measure(args: argparse.Namespace, work: Path) -> dict:
                     prompt = [rng.randrange(1000, 40000) for _ in range(n)]
                     await ttft(client, source, prompt)
                     turn = prompt + [rng.randrange(1000, 40000)]
-                    move = await move_kv(mover, {"instance_id": "source", "internal_endpoint": source_internal},
-                                         {"instance_id": "target", "internal_endpoint": target_internal},
+                    move = await move_kv(mover, engine_row("source", source_internal),
+                                         engine_row("target", target_internal),
                                          "/v1/completions", json.dumps({"model": ALIAS, "prompt": turn}).encode(),
                                          timeout_s=60, clock=time.perf_counter)
                     if not move.moved:
