@@ -35,7 +35,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.engines.llamacpp.llama_backend import BackendConfig, LlamaBackend  # noqa: E402
+from services.engines.llamacpp.llama_backend import LlamaModelConfig, LlamaBackend  # noqa: E402
 from services.engines.llamacpp.model_files import default_model_path  # noqa: E402
 from services.engines.llamacpp.scheduler import SeqWork  # noqa: E402
 from shared.net import free_port  # noqa: E402
@@ -70,7 +70,7 @@ class BareDecodeLimit:
     def __init__(self, model: Path, threads: int, n_seq_max: int, n_ctx: int) -> None:
         from services.engines.llamacpp.chat_template import ChatTemplate
 
-        self.backend = LlamaBackend(BackendConfig(model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=512, threads=threads))
+        self.backend = LlamaBackend(LlamaModelConfig(model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=512, threads=threads))
         tmpl = ChatTemplate(self.backend.chat_template())
         self.prompts = [self.backend.tokenize(tmpl.render(messages(i)), add_special=True) for i in range(n_seq_max)]
 
@@ -257,7 +257,7 @@ def main() -> int:
     n_seq = max(levels)
     n_ctx = n_seq * 1024
 
-    backend = LlamaBackend(BackendConfig(model, n_ctx=256, n_seq_max=1, threads=1))
+    backend = LlamaBackend(LlamaModelConfig(model, n_ctx=256, n_seq_max=1, threads=1))
     eog_bias = {str(t): -100.0 for t in range(backend.n_vocab) if backend.is_eog(t)}
     backend.close()
 
