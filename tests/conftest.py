@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # for `helpers`
 # What a test needs, told by markers (`pyproject.toml`): `make test-fast` runs those that need none of
 # them. A test that uses the servers is marked by its fixtures; the rest are marked by where they live.
 PROCESS_TESTS = ("chaos", "scenarios", "ops", "gateway", "engines_simulated", "test_worker", "test_services",
-                 "test_history_plot", "test_agentic", "test_processes", "test_supervisor")
+                 "test_history_plot", "test_agentic", "test_processes", "test_supervisor", "test_benchmarks_start")
 """Directories and modules whose tests start processes: services, engines, servers of their own."""
 MODEL_TESTS = ("engines_llamacpp",)
 """Directories whose tests load the real model (SmolLM2 on llama.cpp)."""
