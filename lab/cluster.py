@@ -31,17 +31,17 @@ from datetime import datetime, timedelta, timezone
 
 from lab.config import LabSettings
 from lab.instance import LabInstance, TierModel
-from lab.outcomes import LogLine, WindowSample, RequestResult
+from lab.outcomes import LogLine, RequestResult, WindowSample
 from lab.record import RunRecord, Transition, WindowRecord
 from policy import decide
+from policy.placement import Placed, PlacementRequest, WorkerView, place
 from routing.backends import backend_order, taking_new
 from routing.queue import AdmissionQueue, AdmissionQueueFull
 from routing.registry import build_scheduler
 from routing.scheduler import Endpoint, RoutingRequest, SessionState
-from policy.placement import Placed, PlacementRequest, WorkerView, place
 from shared.contracts.backends import Action, BackendType, EngineKind, Role
-from shared.contracts.config import AliasConfig, ControllerConfig
 from shared.contracts.building import new_snapshot
+from shared.contracts.config import AliasConfig, ControllerConfig
 from shared.contracts.control import (
     Decision,
     InstanceView,
@@ -53,8 +53,8 @@ from shared.contracts.control import (
 )
 from shared.contracts.effects import CommandEffect, EngineStep, effect_of
 from shared.contracts.states import IllegalTransition, InstanceState, RoutingState
-from shared.contracts.trace import TraceRequest
 from shared.contracts.telemetry import InstanceStatus, merge_windows
+from shared.contracts.trace import TraceRequest
 from shared.metering import AliasMeter, RequestOutcome, RequestTrace
 from shared.projections.rows import InstanceRow
 from shared.projections.snapshot import instance_view

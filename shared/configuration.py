@@ -122,22 +122,21 @@ def _mapping(data: Mapping[str, Any], key: str, source: str | None) -> dict[str,
 
 
 def _legacy(values: Mapping[str, Any], source: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A pool-wide `policy:` section (or its variables) split into the hybrid's parameters and the controller's."""
+    """A pool-wide `policy:` section split into the hybrid's parameters and the controller's."""
     hybrid, controller, unknown = split_legacy_policy(values)
     if unknown:
         raise ConfigError(f"policy.{unknown[0]}", "not a setting of the hybrid policy or the controller", source)
     return hybrid, controller
 
 
-def _with_hybrid(alias: Any, *layers: Mapping[str, Any]) -> Any:
+def _with_hybrid(alias: Any, under: Mapping[str, Any], over: Mapping[str, Any]) -> Any:
     """An alias's entry with pool-wide hybrid parameters under (file) and over (environment) its own."""
-    if not isinstance(alias, dict) or not any(layers):
+    if not isinstance(alias, dict) or not (under or over):
         return alias
     policy = alias.get("autoscaling_policy", "hybrid")
     policy = {"name": policy} if isinstance(policy, str) else policy
     if not isinstance(policy, dict) or policy.get("name", "hybrid") != "hybrid":
         return alias  # another policy: the hybrid's parameters are not its own (a bad value is named later)
-    under, over = layers
     return {**alias, "autoscaling_policy": {**under, **policy, **over}}
 
 
@@ -155,17 +154,15 @@ def pool_config(data: Mapping[str, Any], *, source: str | None = None, environ: 
     """A pool file's contents (`source` names it in errors), layered and upcast as `load_pool_config` does."""
     environ = os.environ if environ is None else environ
     legacy_file = _mapping(data, "policy", source)
-    legacy_env = {name: environ[name] for name in (*LEGACY_HYBRID, *LEGACY_CONTROLLER) if environ.get(name)}
     hybrid_file, controller_file = _legacy(legacy_file, source)
-    hybrid_env, _ = _legacy(legacy_env, "the environment")  # the controller's variables are layers of their own below
-    if legacy_file or legacy_env:
+    hybrid_env = {field: environ[name] for name, field in LEGACY_HYBRID.items() if environ.get(name)}
+    controller_env = from_environment(environ, {field: name for name, field in LEGACY_CONTROLLER.items()})
+    if legacy_file or hybrid_env or controller_env:
         log.warning("%s: a pool-wide `policy:` section (or HYBRID_*-style variables) is read as each hybrid alias's "
                     "autoscaling_policy and the controller: section; write them there", source or "pool")
     controller_config = layered(ControllerConfig, [
         (f"{source} (policy:)", controller_file), (source or "<defaults>", _mapping(data, "controller", source)),
-        *((f"environment variable {name}", {LEGACY_CONTROLLER[name]: value}) for name, value in legacy_env.items()
-          if name in LEGACY_CONTROLLER),
-        *from_environment(environ, CONTROLLER_ENVIRONMENT), ("arguments", controller or {})], section="controller")
+        *controller_env, *from_environment(environ, CONTROLLER_ENVIRONMENT), ("arguments", controller or {})], section="controller")
     gateway_config = layered(GatewayConfig, [
         (source or "<defaults>", _mapping(data, "gateway", source)), *from_environment(environ, GATEWAY_ENVIRONMENT),
         ("arguments", gateway or {})], section="gateway")

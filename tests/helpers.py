@@ -30,6 +30,16 @@ async def eventually(predicate, timeout: float = 10.0, interval: float = 0.05):
         await asyncio.sleep(interval)
 
 
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    """`eventually` for code that is not async: whether `condition()` came true within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
 async def fetch(sub, n: int, timeout: float = 10.0) -> list:
     """Up to `n` messages from a pull subscription within `timeout`, acked."""
     got = []

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from helpers import wait_until
 from services.processes import descendants_of, is_alive, processes_with_marker, spawn, stop_process, tied_to_us
 
 PARENT = """
@@ -23,15 +24,6 @@ time.sleep(60)
 """
 
 
-def wait_for(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 def test_children_die_with_their_parent_even_when_it_is_killed(tmp_path):
     mark = f"MODELPOOL_TEST_MARK={tmp_path.name}"
     parent = subprocess.Popen([sys.executable, "-c", PARENT, tmp_path.name], stdout=subprocess.PIPE, text=True)
@@ -41,7 +33,7 @@ def test_children_die_with_their_parent_even_when_it_is_killed(tmp_path):
         assert len(children) == 2, children
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        assert wait_for(lambda: not any(is_alive(pid) for pid in children)), "a child outlived its parent"
+        assert wait_until(lambda: not any(is_alive(pid) for pid in children)), "a child outlived its parent"
     finally:
         parent.kill()
         parent.wait()
@@ -52,7 +44,7 @@ def test_a_stop_takes_the_whole_tree_even_from_a_child_that_ignores_sigterm(tmp_
                "subprocess.Popen(['sleep', '60']); print('up', flush=True); time.sleep(60)"
     with open(tmp_path / "out.log", "wb") as log:
         proc = spawn([sys.executable, "-c", stubborn], output=log, death_signal=None)
-    assert wait_for(lambda: (tmp_path / "out.log").read_text().strip() == "up")
+    assert wait_until(lambda: (tmp_path / "out.log").read_text().strip() == "up")
     grandchildren = descendants_of(proc.pid)
     assert grandchildren
     started = time.monotonic()

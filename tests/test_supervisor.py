@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import signal
 import sys
-import time
 
+from helpers import wait_until
 from services.cluster.supervisor import Child, Output, RestartRules, keep_running, stop
 from services.processes import is_alive
 
@@ -19,15 +19,6 @@ time.sleep(60)
 """
 
 
-def wait_for(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 def grandchild_of(text: str) -> int:
     """The grandchild's pid from the first `serving` line in `text`."""
     return int(text.split("serving", 1)[1].split()[0])
@@ -36,16 +27,16 @@ def grandchild_of(text: str) -> int:
 def test_a_stop_takes_the_children_and_what_they_left_in_sessions_of_their_own(tmp_path):
     log = tmp_path / "svc.log"
     child = Child("svc", [sys.executable, "-c", SERVICE], {}, log_path=log, death_signal=None)
-    assert wait_for(lambda: "serving" in child.logged())
+    assert wait_until(lambda: "serving" in child.logged())
     grandchild = grandchild_of(child.logged())
     stop([child], timeout_s=5.0)
     assert child.returncode == -signal.SIGTERM  # it went at once, on the signal
-    assert wait_for(lambda: not is_alive(grandchild))  # in its own session, ignoring SIGTERM: killed all the same
+    assert wait_until(lambda: not is_alive(grandchild))  # in its own session, ignoring SIGTERM: killed all the same
     child.start_again()  # as it was started: into the same log, after what it wrote before
-    assert wait_for(lambda: child.logged().count("serving") == 2)
+    assert wait_until(lambda: child.logged().count("serving") == 2)
     second = grandchild_of("serving" + child.logged().rsplit("serving", 1)[1])
     assert child.signal(signal.SIGKILL) == -signal.SIGKILL and not child.alive
-    assert wait_for(lambda: not is_alive(second))
+    assert wait_until(lambda: not is_alive(second))
 
 
 def test_forwarded_output_is_prefixed_and_a_crash_loop_stops_the_supervision():
@@ -54,10 +45,10 @@ def test_forwarded_output_is_prefixed_and_a_crash_loop_stops_the_supervision():
     child = Child("flaky", [sys.executable, "-c", "print('about to fail', flush=True); raise SystemExit(3)"], {},
                   output=output)
     rules = RestartRules(limit=1, window_s=60, first_delay_s=0.0)
-    assert wait_for(lambda: child.returncode == 3)
+    assert wait_until(lambda: child.returncode == 3)
     assert keep_running(child, rules, output)  # the first exit: a restart is due at once
     assert keep_running(child, rules, output)  # started again
-    assert wait_for(lambda: child.returncode == 3)
+    assert wait_until(lambda: child.returncode == 3)
     assert not keep_running(child, rules, output)  # the second within the window: a crash loop
     text = stream.getvalue()
     assert "[flaky] about to fail" in text and "flaky exited with code 3; restarting it" in text
