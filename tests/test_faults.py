@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import asyncpg
@@ -180,3 +182,38 @@ async def test_a_services_links_are_probed_written_for_its_health_check_and_noti
     missing = subprocess.run([sys.executable, "-m", "services.cli", "health", "--file", str(tmp_path / "none")],
                              capture_output=True, text=True)
     assert missing.returncode == 1 and "cannot read" in missing.stderr
+
+
+def test_a_health_check_with_an_endpoint_needs_it_to_answer_200(tmp_path):
+    """`--url`: the service's own HTTP health too; `--ignore-servers`: that alone (the gateway serves while a
+    server is away, so a load balancer must not drop it then)."""
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the handler's name)
+            self.send_response(200 if self.path == "/health" else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    servers_away = tmp_path / "gateway.health.json"
+    servers_away.write_text(json.dumps({"service": "gateway", "at": time.time(),
+                                        "postgres": {"up": False, "for_s": 120, "error": "refused"},
+                                        "nats": {"up": True, "for_s": 120}}))
+
+    def check(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "services.cli", "health", *args], capture_output=True, text=True)
+
+    try:
+        ok = check("--url", f"{base}/health", "--ignore-servers")
+        assert ok.returncode == 0 and "answered 200" in ok.stdout, ok.stderr
+        refused = check("--url", f"{base}/busy", "--ignore-servers")
+        assert refused.returncode == 1 and "answered 503" in refused.stderr
+        both = check("--file", str(servers_away), "--url", f"{base}/health")
+        assert both.returncode == 1 and "postgres unreachable" in both.stderr
+        assert check("--url", f"http://127.0.0.1:{closed_port()}/health", "--ignore-servers").returncode == 1
+        assert check("--ignore-servers").returncode == 2  # a usage error: nothing to judge by
+    finally:
+        server.shutdown()

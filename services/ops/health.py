@@ -4,7 +4,9 @@ A service run with `MODELPOOL_HEALTH_FILE` writes there whether it reaches
 Postgres and NATS (`services/links.py`). This command reads the file and exits 0
 when the service is checking its servers and has not been cut off from either
 for longer than `--down-after` seconds, else 1 with one line per problem. It
-never connects to anything itself, so a check is as cheap as reading a file.
+connects to nothing but the service's own HTTP health endpoint, and only when
+given one (`--url`); the gateway, which serves from its view while a server is
+away, is judged by that alone (`--url ... --ignore-servers`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 import os
 import sys
 import time
+import urllib.error
+import urllib.request
 
 from services.links import judge_health
 
@@ -26,7 +30,17 @@ def main(argv: list[str]) -> int:
                         help="seconds a server may be unreachable before the service counts as unhealthy (default 30)")
     parser.add_argument("--stale-after", type=float, default=10.0,
                         help="seconds without a fresh check before the service counts as unhealthy (default 10)")
+    parser.add_argument("--url", help="the service's own health endpoint, which must answer 200 within 3 s")
+    parser.add_argument("--ignore-servers", action="store_true",
+                        help="judge by --url alone: the service serves while Postgres or NATS is away (the gateway)")
     args = parser.parse_args(argv)
+    if args.ignore_servers:
+        if not args.url:
+            parser.error("--ignore-servers needs --url")
+        problem = http_problem(args.url)
+        print(f"unhealthy: {problem}" if problem else f"healthy: {args.url} answered 200",
+              file=sys.stderr if problem else sys.stdout)
+        return 1 if problem else 0
     if not args.file:
         parser.error("no health file: pass --file or set MODELPOOL_HEALTH_FILE (the service writes it)")
     try:
@@ -36,6 +50,8 @@ def main(argv: list[str]) -> int:
         print(f"unhealthy: cannot read {args.file}: {exc}", file=sys.stderr)
         return 1
     problems = judge_health(health, time.time(), stale_after_s=args.stale_after, down_after_s=args.down_after)
+    if args.url and (problem := http_problem(args.url)):
+        problems.append(problem)
     for problem in problems:
         print(f"unhealthy: {problem}", file=sys.stderr)
     if not problems:
@@ -43,3 +59,13 @@ def main(argv: list[str]) -> int:
                           for server in ("postgres", "nats"))
         print(f"healthy: {health.get('service')} (pid {health.get('pid')}): {links}")
     return 1 if problems else 0
+
+
+def http_problem(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=3.0) as response:
+            return None if response.status == 200 else f"{url} answered {response.status}"
+    except urllib.error.HTTPError as exc:
+        return f"{url} answered {exc.code}"
+    except (OSError, ValueError) as exc:
+        return f"{url} did not answer: {exc}"
