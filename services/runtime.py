@@ -92,8 +92,8 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
     telemetry_bus = TelemetryBus(nc, js, subjects)
 
     async def declare() -> None:
-        await ensure_streams(js, subjects)
-        await telemetry_bus.ensure()
+        await ensure_streams(js, subjects, settings.stream_replicas)
+        await telemetry_bus.ensure(settings.stream_replicas)
 
     await retry_until_done(declare, "declaring the bus's streams", log)
     # A NATS restarted without its store (or memory-only state lost in a restart) gets them again.

@@ -26,6 +26,7 @@ NAMESPACE = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 ENVIRONMENT = {
     "database_url": "DATABASE_URL",
     "nats_url": "NATS_URL",
+    "stream_replicas": "MODELPOOL_STREAM_REPLICAS",
     "namespace": "MODELPOOL_NAMESPACE",
     "config_path": "MODELPOOL_CONFIG",
     "gateway_host": "MODELPOOL_GATEWAY_HOST",
@@ -54,6 +55,10 @@ class Settings(BaseModel):
 
     database_url: str = "postgresql://127.0.0.1:5432/postgres"
     nats_url: str = "nats://127.0.0.1:4222"
+    """One server, or a cluster's servers comma-separated (the client fails over between them)."""
+    stream_replicas: int = Field(default=1, ge=1, le=5)
+    """Copies of every stream and bucket on a NATS cluster's servers: 3 keeps the bus whole through one
+    server's loss. Raised on a running pool, the streams are updated to it."""
     namespace: str = "modelpool"
     config_path: str | None = None
     gateway_host: str = "127.0.0.1"

@@ -53,8 +53,11 @@ NATS_OPTIONS: dict[str, Any] = {
 
 
 async def connect(url: str, *, name: str, **options: Any) -> NATS:
-    """A connection that retries for ever (services); `options` override that, e.g. for a one-shot command."""
-    return await nats.connect(url, **{"name": name, **NATS_OPTIONS, **options})
+    """A connection that retries for ever (services); `options` override that, e.g. for a one-shot command.
+    `url` may name a cluster's servers, comma-separated: any one reachable will do, and the client learns
+    the rest of the cluster from it."""
+    servers = [server.strip() for server in url.split(",") if server.strip()]
+    return await nats.connect(servers, **{"name": name, **NATS_OPTIONS, **options})
 
 
 async def connect_once(url: str, *, name: str, timeout_s: float) -> NATS:
@@ -73,8 +76,9 @@ async def connect_once(url: str, *, name: str, timeout_s: float) -> NATS:
         raise ConnectionError(f"NATS at {url} unreachable ({str(why) or why.__class__.__name__})") from exc
 
 
-async def ensure_streams(js: JetStreamContext, subjects: Subjects) -> None:
-    """Declare the namespace's streams (idempotent; updates a changed configuration)."""
+async def ensure_streams(js: JetStreamContext, subjects: Subjects, replicas: int = 1) -> None:
+    """Declare the namespace's streams (idempotent; updates a changed configuration). `replicas`: copies kept
+    on a NATS cluster's servers (3 survives one server's loss; a single server takes only 1)."""
     configs = [
         StreamConfig(
             name=subjects.events_stream,
@@ -83,6 +87,7 @@ async def ensure_streams(js: JetStreamContext, subjects: Subjects) -> None:
             storage=StorageType.FILE,
             duplicate_window=DUPLICATE_WINDOW_S,
             max_age=7 * 24 * 3600.0,
+            num_replicas=replicas,
         ),
         StreamConfig(
             name=subjects.commands_stream,
@@ -91,6 +96,7 @@ async def ensure_streams(js: JetStreamContext, subjects: Subjects) -> None:
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             duplicate_window=DUPLICATE_WINDOW_S,
+            num_replicas=replicas,
         ),
         StreamConfig(
             name=subjects.dlq_stream,
@@ -98,6 +104,7 @@ async def ensure_streams(js: JetStreamContext, subjects: Subjects) -> None:
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_age=30 * 24 * 3600.0,
+            num_replicas=replicas,
         ),
     ]
     for config in configs:

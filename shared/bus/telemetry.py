@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
@@ -83,10 +84,10 @@ class TelemetryBus:
         self._heartbeats: KeyValue | None = None
         self._control: KeyValue | None = None
 
-    async def ensure(self) -> None:
-        """Declare the buckets and the windows stream (idempotent)."""
-        self._heartbeats = await self._bucket(self.subjects.heartbeats_bucket, HEARTBEAT_TTL_S)
-        self._control = await self._bucket(self.subjects.control_bucket, OUTLOOK_TTL_S)
+    async def ensure(self, replicas: int = 1) -> None:
+        """Declare the buckets and the windows stream (idempotent), each kept on `replicas` servers."""
+        self._heartbeats = await self._bucket(self.subjects.heartbeats_bucket, HEARTBEAT_TTL_S, replicas)
+        self._control = await self._bucket(self.subjects.control_bucket, OUTLOOK_TTL_S, replicas)
         config = StreamConfig(
             name=self.subjects.windows_stream,
             subjects=[self.subjects.all_windows],
@@ -95,18 +96,27 @@ class TelemetryBus:
             max_age=WINDOWS_MAX_AGE_S,
             max_bytes=WINDOWS_MAX_BYTES,
             discard=DiscardPolicy.OLD,
+            num_replicas=replicas,
         )
         try:
-            await self.js.stream_info(config.name)
+            await self._keep_replicas(config.name, replicas)
         except NotFoundError:
             await self.js.add_stream(config)
 
-    async def _bucket(self, name: str, ttl_s: float) -> KeyValue:
+    async def _bucket(self, name: str, ttl_s: float, replicas: int) -> KeyValue:
         try:
-            return await self.js.key_value(name)
+            bucket = await self.js.key_value(name)
         except BucketNotFoundError:
             return await self.js.create_key_value(
-                KeyValueConfig(bucket=name, history=1, ttl=ttl_s, storage=StorageType.MEMORY))
+                KeyValueConfig(bucket=name, history=1, ttl=ttl_s, storage=StorageType.MEMORY, replicas=replicas))
+        await self._keep_replicas(f"KV_{name}", replicas)
+        return bucket
+
+    async def _keep_replicas(self, stream: str, replicas: int) -> None:
+        """An existing stream's copies changed to `replicas` (the pool's setting was raised or lowered)."""
+        config = (await self.js.stream_info(stream)).config
+        if config.num_replicas != replicas:
+            await self.js.update_stream(dataclasses.replace(config, num_replicas=replicas))
 
     # ------------------------------------------------------------------ encoding
 

@@ -1,0 +1,160 @@
+"""The bus on a three-server NATS cluster: streams kept on all three, nothing lost when one server dies,
+the server caught up when it comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
+
+from services.cluster.embedded.nats import find_nats_server
+from shared.bus.jetstream import connect, ensure_streams
+from shared.bus.subjects import Subjects
+from shared.bus.telemetry import TelemetryBus
+from shared.net import free_ports
+from shared.settings import Settings
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(180)]
+
+NAMES = ("n1", "n2", "n3")
+TRANSIENT = (NatsTimeoutError, NoStreamResponseError, ServiceUnavailableError, APIError, asyncio.TimeoutError)
+"""What a JetStream call meets while the cluster elects a leader."""
+
+
+@dataclass
+class Node:
+    name: str
+    port: int
+    monitor_port: int
+    config: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([str(find_nats_server()), "-c", str(self.config)], stdout=subprocess.DEVNULL,
+                                     stderr=open(self.config.with_suffix(".log"), "ab"), start_new_session=True)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def healthy(self) -> bool:
+        try:
+            url = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
+            with urllib.request.urlopen(url, timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    ports = free_ports(9)
+    nodes = []
+    for i, name in enumerate(NAMES):
+        client, monitor, route = ports[3 * i: 3 * i + 3]
+        nodes.append((name, client, monitor, route))
+    routes = ", ".join(f"nats-route://127.0.0.1:{route}" for *_, route in nodes)
+    started = []
+    for name, client, monitor, route in nodes:
+        config = tmp_path / f"{name}.conf"
+        config.write_text(f"""
+server_name: {name}
+listen: 127.0.0.1:{client}
+http: 127.0.0.1:{monitor}
+jetstream {{ store_dir: "{tmp_path / name}" }}
+cluster {{ name: modelpool, listen: 127.0.0.1:{route}, routes: [{routes}] }}
+""")
+        node = Node(name, client, monitor, config)
+        node.start()
+        started.append(node)
+    try:
+        deadline = time.monotonic() + 30
+        while not all(node.healthy() for node in started):
+            assert time.monotonic() < deadline, "the three NATS servers never all reported JetStream healthy"
+            time.sleep(0.2)
+        yield started
+    finally:
+        for node in started:
+            node.kill()
+
+
+async def until_done(call, timeout_s: float = 30.0):
+    """`call()` again until the cluster answers it (a leader elected)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await call()
+        except TRANSIENT:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.25)
+
+
+async def test_streams_are_replicated_and_survive_the_loss_of_one_server(cluster: list[Node]):
+    settings = Settings.load({"NATS_URL": ",".join(f"nats://127.0.0.1:{n.port}" for n in cluster),
+                              "MODELPOOL_STREAM_REPLICAS": "3"})
+    subjects = Subjects("cluster_test")
+    nc = await connect(settings.nats_url, name="cluster-test")
+    try:
+        js = nc.jetstream(timeout=2.0)
+        # Declared with one copy first, as a pool that started on one server; then raised to three.
+        for replicas in (1, settings.stream_replicas):
+            await until_done(lambda: ensure_streams(js, subjects, replicas))
+            await until_done(lambda: TelemetryBus(nc, js, subjects).ensure(replicas))
+        for stream in (subjects.events_stream, subjects.commands_stream, subjects.dlq_stream, subjects.windows_stream,
+                       f"KV_{subjects.heartbeats_bucket}", f"KV_{subjects.control_bucket}"):
+            assert (await until_done(lambda: js.stream_info(stream))).config.num_replicas == 3, stream
+        deadline = time.monotonic() + 30
+        while True:  # the two new copies join the raised stream's group, and it elects a leader
+            info = await until_done(lambda: js.stream_info(subjects.events_stream))
+            peers = info.cluster.replicas or []
+            if info.cluster.leader and len(peers) == 2 and all(p.current and not p.offline for p in peers):
+                break
+            assert time.monotonic() < deadline, f"the raised stream never had three copies: {info.cluster}"
+            await asyncio.sleep(0.25)
+        subject = subjects.all_events.replace(">", "test")
+
+        async def publish(n: int) -> None:
+            # The same message id on a retry: JetStream keeps one copy of a message sent twice.
+            await until_done(lambda: js.publish(subject, f"event {n}".encode(), headers={"Nats-Msg-Id": f"m{n}"}))
+
+        for n in range(20):
+            await publish(n)
+        leader = next(node for node in cluster if node.name == info.cluster.leader)
+        leader.kill()
+        for n in range(20, 40):  # while a new leader is elected, and after
+            await publish(n)
+        info = await until_done(lambda: js.stream_info(subjects.events_stream))
+        assert info.state.messages == 40 and info.cluster.leader != leader.name
+
+        leader.start()  # the same store: it catches up from the others
+        deadline = time.monotonic() + 30
+        while True:
+            info = await until_done(lambda: js.stream_info(subjects.events_stream))
+            back = [r for r in info.cluster.replicas if r.name == leader.name]
+            if back and back[0].current and not back[0].offline and not back[0].lag:  # no lag: omitted
+                break
+            assert time.monotonic() < deadline, f"{leader.name} never caught up: {info.cluster}"
+            await asyncio.sleep(0.5)
+        got = []
+        consumer = await js.pull_subscribe(subject, durable=None, stream=subjects.events_stream)
+        while len(got) < 40:
+            got += [m.data.decode() for m in await consumer.fetch(40 - len(got), timeout=5)]
+        assert got == [f"event {n}" for n in range(40)]
+    finally:
+        await nc.close()
+
+
+def test_stream_replicas_are_bounded():
+    with pytest.raises(Exception, match="stream_replicas"):
+        Settings.load({"MODELPOOL_STREAM_REPLICAS": "0"})
