@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -71,7 +71,8 @@ class Settings(BaseModel):
     worker_host: str = "127.0.0.1"
     """The address this worker's engines listen on and are reached at: loopback, or the worker's own
     address where the gateway runs elsewhere (never 0.0.0.0: engines' control paths stay off other networks)."""
-    worker_gpu_memory_gb: float = Field(default=0.0, ge=0)
+    worker_gpu_memory_gb: Annotated[float, Field(ge=0)] | Literal["auto"] = 0.0
+    """GB of GPU memory this worker offers, or `auto`: what its NVIDIA GPUs hold (`services/worker/gpus.py`)."""
     worker_slots: int = Field(default=4, ge=0)
     worker_sim_speedup: float = Field(default=1.0, gt=0)
     """Simulated engines run this many times faster than real time (tests use large values)."""

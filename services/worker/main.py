@@ -14,6 +14,7 @@ from nats.js import JetStreamContext
 
 from services.runtime import ServiceContext, run_service
 from services.worker.engines import EngineLauncher, EngineOptions, default_log_dir, kill_leftover_engines
+from services.worker.gpus import gpu_memory_gb
 from services.worker.service import Worker
 from shared.bus.jetstream import Consumer
 from shared.bus.subjects import Subjects
@@ -21,6 +22,7 @@ from shared.contracts.backends import EngineKind
 from shared.contracts.commands import InstanceCommand
 from shared.contracts.messages import Contract, Envelope, Registry
 from shared.faults import retry_until_done
+from shared.settings import Settings
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ async def serve(ctx: ServiceContext) -> None:
         launcher=EngineLauncher(EngineOptions(log_dir=log_dir, host=settings.worker_host,
                                               sim_speedup=settings.worker_sim_speedup), marker),
         telemetry=ctx.telemetry,
-        gpu_memory_gb=settings.worker_gpu_memory_gb,
+        gpu_memory_gb=float(settings.worker_gpu_memory_gb),
         slots=settings.worker_slots,
         health_timeout_s=settings.worker_health_timeout_s,
         hang_timeout_s=settings.worker_hang_timeout_s,
@@ -101,4 +103,7 @@ async def serve(ctx: ServiceContext) -> None:
 
 
 def main(argv: list[str]) -> int:
-    return run_service("worker", serve)
+    settings = Settings.load()
+    # `auto` is read off the GPUs once, before anything starts: a worker that cannot tell stops here, saying why.
+    settings = settings.model_copy(update={"worker_gpu_memory_gb": gpu_memory_gb(settings.worker_gpu_memory_gb)})
+    return run_service("worker", serve, settings)

@@ -171,6 +171,8 @@ def test_the_gpu_overlay_puts_workers_on_gpus_with_a_vllm_image() -> None:
     assert spec["nodeSelector"] == {"modelpool.io/worker": "true", "nvidia.com/gpu.present": "true"}
     assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
     assert container["image"].split(":")[0].endswith("modelpool-vllm")
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MODELPOOL_WORKER_GPU_MEMORY_GB"] == "auto"  # the node's GPUs say what they hold
     assert [v["name"] for v in spec["volumes"]] == ["tmp", "pool", "cache"]
 
 
