@@ -114,7 +114,7 @@ def feed(facts: LiveFacts, configs, levels, heartbeats, now: datetime, rng: rand
         for n, status in enumerate(statuses):
             if rng.random() < 0.33 and status.status == "RUNNING":
                 statuses[n] = status.model_copy(update={"inflight_requests": rng.randint(0, 6), "last_active_at": now})
-        facts.heard(WorkerHeartbeat(worker_id=worker_id, at=now, interval_s=1.0, instances=list(statuses)))
+        facts.heard(WorkerHeartbeat(worker_id=worker_id, at=now, interval_s=1.0, instances=list(statuses)), now)
     if not windows:
         return
     start = now - timedelta(seconds=2)

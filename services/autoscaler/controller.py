@@ -149,7 +149,8 @@ class Controller:
         await retry_until_done(self.view.load, "loading the controller's view", log, stop)
         tune_collector()
         followers = [
-            asyncio.create_task(self.telemetry_bus.watch_heartbeats(self.facts.heard, stop)),
+            asyncio.create_task(self.telemetry_bus.watch_heartbeats(
+                lambda heartbeat: self.facts.heard(heartbeat, self.clock()), stop)),
             asyncio.create_task(self.telemetry_bus.follow_windows(self.facts.window, stop)),
         ]
         demand = await self.telemetry_bus.subscribe_demand(self._on_demand)
@@ -394,8 +395,8 @@ class Controller:
                             describe(exc))
                 continue
             if heartbeat is not None:
-                self.facts.heard(heartbeat)  # the watch missed it: catch up
-                last = max(last, heartbeat.at)
+                self.facts.heard(heartbeat, now)  # the watch missed it: heard now, if it is news
+                last = max(last, self.facts.last_heard(worker_id) or last)
             silent = (now - last).total_seconds()
             if silent > self.worker_timeout_s:
                 await self.record_lost(worker_id, row, last, f"no heartbeat for {silent:.0f} s")

@@ -42,6 +42,9 @@ def _says_the_same(old: InstanceStatus, new: InstanceStatus) -> bool:
 @dataclass
 class LiveFacts:
     heartbeats: dict[str, WorkerHeartbeat] = field(default_factory=dict)
+    received: dict[str, datetime] = field(default_factory=dict)
+    """worker id -> when this controller last heard a new heartbeat of it, on the controller's own clock.
+    Freshness and loss are judged by this, never by the heartbeat's `at`: a worker's clock may be off ours."""
     windows: dict[str, dict[datetime, dict[str, GatewayWindow]]] = field(default_factory=lambda: defaultdict(dict))
     merged: dict[str, dict[datetime, MetricWindow]] = field(default_factory=lambda: defaultdict(dict))
     """alias -> period -> the period's windows merged so far: merged as they arrive, not at every tick."""
@@ -54,11 +57,14 @@ class LiveFacts:
 
     # ------------------------------------------------------------------ feeding
 
-    def heard(self, heartbeat: WorkerHeartbeat) -> None:
+    def heard(self, heartbeat: WorkerHeartbeat, received_at: datetime) -> None:
+        """A heartbeat arrived at `received_at` (the controller's clock); one older than the worker's last (by
+        the worker's own clock) is ignored, and one already known changes nothing."""
         current = self.heartbeats.get(heartbeat.worker_id)
-        if current is not None and heartbeat.at < current.at:
+        if current is not None and heartbeat.at <= current.at:
             return
         self.heartbeats[heartbeat.worker_id] = heartbeat
+        self.received[heartbeat.worker_id] = received_at
         # Keep the per-instance index up to date here, a worker at a time, rather than
         # rebuilding it for every instance at every tick. A status that says what the
         # last one said is kept as the same object, and only the others are noted as
@@ -131,8 +137,8 @@ class LiveFacts:
     def fresh_workers(self, now: datetime) -> set[str]:
         """Workers heard from within STALE_AFTER_REPORTS of their report intervals: their reports still count."""
         return {w for w, hb in self.heartbeats.items()
-                if (now - hb.at).total_seconds() <= STALE_AFTER_REPORTS * hb.interval_s}
+                if (now - self.received[w]).total_seconds() <= STALE_AFTER_REPORTS * hb.interval_s}
 
     def last_heard(self, worker_id: str) -> datetime | None:
-        hb = self.heartbeats.get(worker_id)
-        return hb.at if hb else None
+        """When this controller last heard a new heartbeat of the worker (its own clock)."""
+        return self.received.get(worker_id)

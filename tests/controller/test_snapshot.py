@@ -46,19 +46,39 @@ def test_the_builder_makes_the_same_frozen_object_as_the_class():
     assert type(decision) is Decision and decision.actions == () and decision.state == PolicyState()
 
 
+@pytest.mark.parametrize("skew_s", [-3600.0, -30.0, 0.0, 30.0, 3600.0])
+def test_a_workers_freshness_is_judged_on_the_controllers_clock_whatever_the_workers_says(skew_s):
+    """Across hosts clocks differ: a worker whose clock is off by an hour is fresh while it reports, and goes
+    stale after three of its intervals without a new report, exactly as one whose clock agrees."""
+    facts = LiveFacts()
+    worker_clock = T0 + timedelta(seconds=skew_s)
+    for tick in range(5):
+        facts.heard(WorkerHeartbeat(worker_id="w1", at=worker_clock + timedelta(seconds=tick), interval_s=1,
+                                    instances=[status("a-0", 1)]), T0 + timedelta(seconds=tick))
+        assert facts.fresh_workers(T0 + timedelta(seconds=tick, milliseconds=500)) == {"w1"}
+    assert facts.last_heard("w1") == T0 + timedelta(seconds=4)
+    # The same heartbeat read again (from the bucket, say) is no news: it does not refresh the worker.
+    facts.heard(WorkerHeartbeat(worker_id="w1", at=worker_clock + timedelta(seconds=4), interval_s=1,
+                                instances=[status("a-0", 1)]), T0 + timedelta(seconds=9))
+    assert facts.last_heard("w1") == T0 + timedelta(seconds=4)
+    assert facts.fresh_workers(T0 + timedelta(seconds=7)) == {"w1"}
+    assert facts.fresh_workers(T0 + timedelta(seconds=7.5)) == set()
+
+
 def test_the_facts_note_changed_and_vanished_reports_only():
     facts = LiveFacts()
     assert facts.take_changes() is None  # nothing read yet: anything may have changed
     first = [status("a-0", 1), status("a-1", 0)]
-    facts.heard(WorkerHeartbeat(worker_id="w1", at=T0, interval_s=1, instances=first))
+    facts.heard(WorkerHeartbeat(worker_id="w1", at=T0, interval_s=1, instances=first), T0)
     assert facts.take_changes() == {"a-0": "a", "a-1": "a"}
     # The same again, freshly parsed: no change, and the index keeps the objects it had.
     facts.heard(WorkerHeartbeat(worker_id="w1", at=T0 + timedelta(seconds=1), interval_s=1,
-                                instances=[status("a-0", 1), status("a-1", 0)]))
+                                instances=[status("a-0", 1), status("a-1", 0)]), T0 + timedelta(seconds=1))
     assert facts.take_changes() == {} and facts.statuses()["a-0"] is first[0]
-    facts.heard(WorkerHeartbeat(worker_id="w1", at=T0 + timedelta(seconds=2), interval_s=1, instances=[status("a-0", 3)]))
+    facts.heard(WorkerHeartbeat(worker_id="w1", at=T0 + timedelta(seconds=2), interval_s=1, instances=[status("a-0", 3)]),
+                T0 + timedelta(seconds=2))
     assert facts.take_changes() == {"a-0": "a", "a-1": "a"} and "a-1" not in facts.statuses()
-    facts.heard(WorkerHeartbeat(worker_id="w1", at=T0, interval_s=1, instances=[]))  # older than the last: ignored
+    facts.heard(WorkerHeartbeat(worker_id="w1", at=T0, interval_s=1, instances=[]), T0 + timedelta(seconds=3))  # older: ignored
     assert facts.take_changes() == {} and "a-0" in facts.statuses()
 
 
@@ -122,7 +142,8 @@ def test_views_kept_between_ticks_equal_views_built_afresh(steps):
         elif kind == "tick":
             now += timedelta(seconds=1)
             for worker_id, reported in reports.items():
-                facts.heard(WorkerHeartbeat(worker_id=worker_id, at=now, interval_s=1, instances=list(reported.values())))
+                facts.heard(WorkerHeartbeat(worker_id=worker_id, at=now, interval_s=1, instances=list(reported.values())),
+                            now)
             fresh = facts.fresh_workers(now)
             views.begin(facts.statuses(), up, fresh, facts.take_changes(), touched)
             touched = set()
