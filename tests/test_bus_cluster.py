@@ -16,6 +16,7 @@ import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
+from helpers import eventually, wait_until
 from services.cluster.embedded.nats import find_nats_server
 from shared.bus.jetstream import connect, ensure_streams
 from shared.bus.subjects import Subjects
@@ -39,8 +40,9 @@ class Node:
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([str(find_nats_server()), "-c", str(self.config)], stdout=subprocess.DEVNULL,
-                                     stderr=open(self.config.with_suffix(".log"), "ab"), start_new_session=True)
+        with open(self.config.with_suffix(".log"), "ab") as log:
+            self.proc = subprocess.Popen([str(find_nats_server()), "-c", str(self.config)], stdout=subprocess.DEVNULL,
+                                         stderr=log, start_new_session=True)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -78,10 +80,8 @@ cluster {{ name: modelpool, listen: 127.0.0.1:{route}, routes: [{routes}] }}
         node.start()
         started.append(node)
     try:
-        deadline = time.monotonic() + 30
-        while not all(node.healthy() for node in started):
-            assert time.monotonic() < deadline, "the three NATS servers never all reported JetStream healthy"
-            time.sleep(0.2)
+        assert wait_until(lambda: all(node.healthy() for node in started), 30), \
+            "the three NATS servers never all reported JetStream healthy"
         yield started
     finally:
         for node in started:
@@ -114,14 +114,18 @@ async def test_streams_are_replicated_and_survive_the_loss_of_one_server(cluster
         for stream in (subjects.events_stream, subjects.commands_stream, subjects.dlq_stream, subjects.windows_stream,
                        f"KV_{subjects.heartbeats_bucket}", f"KV_{subjects.control_bucket}"):
             assert (await until_done(lambda: js.stream_info(stream))).config.num_replicas == 3, stream
-        deadline = time.monotonic() + 30
-        while True:  # the two new copies join the raised stream's group, and it elects a leader
-            info = await until_done(lambda: js.stream_info(subjects.events_stream))
+
+        async def events_stream():
+            return await until_done(lambda: js.stream_info(subjects.events_stream))
+
+        async def three_current_copies():
+            info = await events_stream()
             peers = info.cluster.replicas or []
-            if info.cluster.leader and len(peers) == 2 and all(p.current and not p.offline for p in peers):
-                break
-            assert time.monotonic() < deadline, f"the raised stream never had three copies: {info.cluster}"
-            await asyncio.sleep(0.25)
+            return info if info.cluster.leader and len(peers) == 2 and all(p.current and not p.offline for p in peers) \
+                else None
+
+        # The two new copies join the raised stream's group, and it elects a leader.
+        info = await eventually(three_current_copies, timeout=30, interval=0.25)
         subject = subjects.all_events.replace(">", "test")
 
         async def publish(n: int) -> None:
@@ -134,18 +138,16 @@ async def test_streams_are_replicated_and_survive_the_loss_of_one_server(cluster
         leader.kill()
         for n in range(20, 40):  # while a new leader is elected, and after
             await publish(n)
-        info = await until_done(lambda: js.stream_info(subjects.events_stream))
+        info = await events_stream()
         assert info.state.messages == 40 and info.cluster.leader != leader.name
 
+        async def caught_up() -> bool:
+            peers = (await events_stream()).cluster.replicas or []
+            # no lag: the field is omitted
+            return any(p.name == leader.name and p.current and not p.offline and not p.lag for p in peers)
+
         leader.start()  # the same store: it catches up from the others
-        deadline = time.monotonic() + 30
-        while True:
-            info = await until_done(lambda: js.stream_info(subjects.events_stream))
-            back = [r for r in info.cluster.replicas if r.name == leader.name]
-            if back and back[0].current and not back[0].offline and not back[0].lag:  # no lag: omitted
-                break
-            assert time.monotonic() < deadline, f"{leader.name} never caught up: {info.cluster}"
-            await asyncio.sleep(0.5)
+        await eventually(caught_up, timeout=30, interval=0.5)
         got = []
         consumer = await js.pull_subscribe(subject, durable=None, stream=subjects.events_stream)
         while len(got) < 40:
