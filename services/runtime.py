@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.links import ServerLinks, ping_postgres
-from shared.bus.jetstream import NATS_OPTIONS, Consumer, connect, ensure_streams
+from shared.bus.jetstream import NATS_OPTIONS, Consumer, connect, ensure_streams, servers_of
 from shared.bus.subjects import Subjects
 from shared.bus.telemetry import TelemetryBus
 from shared.contracts.commands import command_registry
@@ -101,8 +101,8 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
     await retry_until_done(lambda: ping_postgres(engine), "connecting to Postgres", log)
     links.postgres.reached()
     # Per-message lines at DEBUG: a busy service would otherwise log every message it handles.
-    broker = NatsBroker(settings.nats_url, logger=logging.getLogger(f"modelpool.{name}.bus"), log_level=logging.DEBUG,
-                        **NATS_OPTIONS)
+    broker = NatsBroker(servers_of(settings.nats_url), logger=logging.getLogger(f"modelpool.{name}.bus"),
+                        log_level=logging.DEBUG, **NATS_OPTIONS)
     stack.push_async_callback(broker.stop)
     return ServiceContext(
         name=name,

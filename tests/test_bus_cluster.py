@@ -4,6 +4,7 @@ the server caught up when it comes back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,9 +19,13 @@ from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableEr
 
 from helpers import eventually, wait_until
 from services.cluster.embedded.nats import find_nats_server
-from shared.bus.jetstream import connect, ensure_streams
+from services.runtime import open_context
+from shared.bus.jetstream import Consumer, connect, ensure_streams, publish
 from shared.bus.subjects import Subjects
 from shared.bus.telemetry import TelemetryBus
+from shared.contracts.backends import BackendType
+from shared.contracts.commands import SleepInstance
+from shared.contracts.messages import Envelope
 from shared.net import free_ports
 from shared.settings import Settings
 
@@ -111,6 +116,8 @@ async def test_streams_are_replicated_and_survive_the_loss_of_one_server(cluster
         for replicas in (1, settings.stream_replicas):
             await until_done(lambda: ensure_streams(js, subjects, replicas))
             await until_done(lambda: TelemetryBus(nc, js, subjects).ensure(replicas))
+        # A reader that does not know the pool's setting (`modelpool status`) leaves the copies as they are.
+        await until_done(lambda: TelemetryBus(nc, js, subjects).ensure())
         for stream in (subjects.events_stream, subjects.commands_stream, subjects.dlq_stream, subjects.windows_stream,
                        f"KV_{subjects.heartbeats_bucket}", f"KV_{subjects.control_bucket}"):
             assert (await until_done(lambda: js.stream_info(stream))).config.num_replicas == 3, stream
@@ -160,3 +167,24 @@ async def test_streams_are_replicated_and_survive_the_loss_of_one_server(cluster
 def test_stream_replicas_are_bounded():
     with pytest.raises(Exception, match="stream_replicas"):
         Settings.load({"MODELPOOL_STREAM_REPLICAS": "0"})
+
+
+async def test_a_service_takes_its_commands_from_a_cluster_named_by_every_server(cluster: list[Node], settings):
+    """NATS_URL naming the cluster's servers reaches a service's own connection and its consumers' (the broker's)."""
+    settings = settings.model_copy(update={
+        "nats_url": ",".join(f"nats://127.0.0.1:{n.port}" for n in cluster), "stream_replicas": 3})
+    async with contextlib.AsyncExitStack() as stack:
+        ctx = await asyncio.wait_for(open_context("cluster-test", settings, stack), 60)
+        taken: list[SleepInstance] = []
+
+        async def handler(envelope: Envelope, command) -> None:
+            taken.append(command)
+            ctx.stop.set()
+
+        subject = ctx.subjects.worker_commands("w-test")
+        command = SleepInstance(instance_id="i-1", alias="a", backend_type=BackendType.VLLM, worker_id="w-test", level=1)
+        await until_done(lambda: publish(ctx.js, subject, Envelope.wrap(command), ctx.telemetry))
+        consumer = Consumer(ctx.js, ctx.subjects, stream=ctx.subjects.commands_stream, durable="cluster-test",
+                            filter_subject=subject, registry=ctx.commands, handler=handler, telemetry=ctx.telemetry)
+        await asyncio.wait_for(ctx.consume(consumer), 30)
+        assert taken == [command]

@@ -52,12 +52,15 @@ NATS_OPTIONS: dict[str, Any] = {
 """How every long-lived connection of a service talks to NATS (its own and its FastStream broker's)."""
 
 
+def servers_of(url: str) -> list[str]:
+    """The servers a NATS_URL names: one, or a cluster's, comma-separated. Any one reachable will do, and
+    a client learns the rest of the cluster from it."""
+    return [server.strip() for server in url.split(",") if server.strip()]
+
+
 async def connect(url: str, *, name: str, **options: Any) -> NATS:
-    """A connection that retries for ever (services); `options` override that, e.g. for a one-shot command.
-    `url` may name a cluster's servers, comma-separated: any one reachable will do, and the client learns
-    the rest of the cluster from it."""
-    servers = [server.strip() for server in url.split(",") if server.strip()]
-    return await nats.connect(servers, **{"name": name, **NATS_OPTIONS, **options})
+    """A connection that retries for ever (services); `options` override that, e.g. for a one-shot command."""
+    return await nats.connect(servers_of(url), **{"name": name, **NATS_OPTIONS, **options})
 
 
 async def connect_once(url: str, *, name: str, timeout_s: float) -> NATS:

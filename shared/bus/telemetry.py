@@ -83,9 +83,14 @@ class TelemetryBus:
         self.registry = telemetry_registry()
         self._heartbeats: KeyValue | None = None
         self._control: KeyValue | None = None
+        self._replicas: int | None = None
+        """The pool's setting, once `ensure` was given it: what a bucket declared again is kept on."""
 
-    async def ensure(self, replicas: int = 1) -> None:
-        """Declare the buckets and the windows stream (idempotent), each kept on `replicas` servers."""
+    async def ensure(self, replicas: int | None = None) -> None:
+        """Declare the buckets and the windows stream (idempotent), each kept on `replicas` servers. A reader
+        that does not know the pool's setting (None) creates what is missing on one and changes nothing else."""
+        if replicas is not None:
+            self._replicas = replicas
         self._heartbeats = await self._bucket(self.subjects.heartbeats_bucket, HEARTBEAT_TTL_S, replicas)
         self._control = await self._bucket(self.subjects.control_bucket, OUTLOOK_TTL_S, replicas)
         config = StreamConfig(
@@ -96,26 +101,26 @@ class TelemetryBus:
             max_age=WINDOWS_MAX_AGE_S,
             max_bytes=WINDOWS_MAX_BYTES,
             discard=DiscardPolicy.OLD,
-            num_replicas=replicas,
+            num_replicas=replicas or 1,
         )
         try:
             await self._keep_replicas(config.name, replicas)
         except NotFoundError:
             await self.js.add_stream(config)
 
-    async def _bucket(self, name: str, ttl_s: float, replicas: int) -> KeyValue:
+    async def _bucket(self, name: str, ttl_s: float, replicas: int | None) -> KeyValue:
         try:
             bucket = await self.js.key_value(name)
         except BucketNotFoundError:
-            return await self.js.create_key_value(
-                KeyValueConfig(bucket=name, history=1, ttl=ttl_s, storage=StorageType.MEMORY, replicas=replicas))
+            return await self.js.create_key_value(KeyValueConfig(
+                bucket=name, history=1, ttl=ttl_s, storage=StorageType.MEMORY, replicas=replicas or 1))
         await self._keep_replicas(f"KV_{name}", replicas)
         return bucket
 
-    async def _keep_replicas(self, stream: str, replicas: int) -> None:
+    async def _keep_replicas(self, stream: str, replicas: int | None) -> None:
         """An existing stream's copies changed to `replicas` (the pool's setting was raised or lowered)."""
         config = (await self.js.stream_info(stream)).config
-        if config.num_replicas != replicas:
+        if replicas is not None and config.num_replicas != replicas:
             await self.js.update_stream(dataclasses.replace(config, num_replicas=replicas))
 
     # ------------------------------------------------------------------ encoding
@@ -314,5 +319,5 @@ class TelemetryBus:
         try:
             await kv.put(key, value)
         except (NoRespondersError, NoStreamResponseError, NotFoundError, BucketNotFoundError):
-            await self.ensure()
+            await self.ensure(self._replicas)
             await kv.put(key, value)
