@@ -111,7 +111,7 @@ class Proxy:
                 ctx.trace.refused(slot.backend)
                 reason, failure = "refused", exc
             except UPSTREAM_ERRORS as exc:
-                reason, failure = "broke", exc
+                reason, failure = "withdrawn" if slot.withdrawn else "broke", exc
             if response is not None:
                 if response.status != 503:
                     return response
@@ -136,22 +136,20 @@ class Proxy:
         a stream's first events (within the first-byte timeout), else the whole answer."""
         url = f"{slot.instance.endpoint}{ctx.path}"
         headers = self._upstream_headers(ctx)
-        if not ctx.stream:
-            response = await self.client.post(url, data=payload, headers=headers)
+        # Ended at once if the log gives the instance up meanwhile (`Slot.withdraw`): sent elsewhere.
+        async with asyncio.timeout(self.config.first_byte_timeout_s if ctx.stream else None) as deadline:
+            slot.watch(deadline)
             try:
-                return response, await response.read()
-            except BaseException:
-                response.close()
-                raise
-        async with asyncio.timeout(self.config.first_byte_timeout_s):
-            response = await self.client.post(url, data=payload, headers=headers)
-            try:
-                if response.status != 200:
-                    return response, await response.read()
-                head = await response.content.readany()
-            except BaseException:
-                response.close()
-                raise
+                response = await self.client.post(url, data=payload, headers=headers)
+                try:
+                    if not ctx.stream or response.status != 200:
+                        return response, await response.read()
+                    head = await response.content.readany()
+                except BaseException:
+                    response.close()
+                    raise
+            finally:
+                slot.watch(None)
         if not head:
             response.close()
             raise aiohttp.ServerDisconnectedError("the stream ended before its first event")
@@ -201,16 +199,23 @@ class Proxy:
         assert transcript is not None
         scanner = EventScanner(ctx.keep_usage, transcript)
         while True:
+            slot = ctx.slot
+            assert slot is not None
             try:
-                async for data in _chunks(head, response):
-                    now = self.clock()
-                    events, chunks = scanner.feed(data)
-                    if chunks:
-                        if trace.content_chunks == 0:
-                            self.router.first_token(ctx.slot)  # type: ignore[arg-type]
-                        trace.content(chunks, now)
-                    if events:
-                        await client.send(events)
+                async with asyncio.timeout(None) as deadline:  # ended if the log gives the instance up
+                    slot.watch(deadline)
+                    try:
+                        async for data in _chunks(head, response):
+                            now = self.clock()
+                            events, chunks = scanner.feed(data)
+                            if chunks:
+                                if trace.content_chunks == 0:
+                                    self.router.first_token(slot)
+                                trace.content(chunks, now)
+                            if events:
+                                await client.send(events)
+                    finally:
+                        slot.watch(None)
                 if scanner.ended or transcript.finished:
                     break
                 failure: BaseException = aiohttp.ServerDisconnectedError("the stream ended before its [DONE]")

@@ -11,10 +11,16 @@ counts on each instance and, for routers that bind sessions, the session table
 controller has not registered yet (the pool is starting) is COLD. The gateway
 decides nothing about states or replicas; it follows what its live view of the
 log says.
+
+A request waiting on an instance the log has given up (ERROR or gone: its engine
+died, or its worker was lost to a partition) is withdrawn from it at once, so
+the proxy sends it elsewhere instead of waiting out its timeouts (`Slot.watch`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -66,10 +72,30 @@ class Slot:
     reason: str = ""
     binds: bool = False
     """The alias's router binds sessions: the session's host is recorded."""
+    withdrawn: bool = False
+    """The log gave the instance up while the request was on it."""
+    deadline: asyncio.Timeout | None = None
+    """What the proxy is waiting for on the instance (`watch`), ended at once when the slot is withdrawn."""
 
     @property
     def instance_id(self) -> str:
         return self.instance.instance_id
+
+    def watch(self, deadline: asyncio.Timeout | None) -> None:
+        """The proxy waits on the instance within `deadline` (None: no longer waits)."""
+        self.deadline = deadline
+        if deadline is not None and self.withdrawn:
+            self.withdraw()
+
+    def withdraw(self) -> None:
+        self.withdrawn = True
+        if self.deadline is not None:
+            with contextlib.suppress(RuntimeError):  # the wait has just ended on its own
+                self.deadline.reschedule(asyncio.get_running_loop().time())
+
+
+GIVEN_UP = frozenset({InstanceState.ERROR, InstanceState.ABSENT})
+"""Instance states in which an engine answers nothing more: requests waiting on it are withdrawn."""
 
 
 def _has_room(row: InstanceRow, inflight: int) -> bool:
@@ -96,6 +122,8 @@ class Router:
         self.wall = wall
         self.inflight: dict[str, int] = {}
         self.pending: dict[str, int] = {}
+        self.slots: dict[str, set[Slot]] = {}
+        """The slots taken on each instance and not given back."""
         self.index = PrefixIndex()
         self.tokens = TokensPerByte()
         self._routable: dict[tuple[str, BackendType], list[InstanceRow]] | None = None
@@ -103,6 +131,13 @@ class Router:
 
     def view_advanced(self) -> None:
         self._routable = None
+        rows = self.view[INSTANCES]
+        for instance_id, slots in self.slots.items():
+            row = rows.get(instance_id)
+            if row is None or row.state in GIVEN_UP:
+                for slot in slots:
+                    if not slot.withdrawn:
+                        slot.withdraw()
 
     def _instances(self, alias: str, backend: BackendType) -> list[InstanceRow]:
         if self._routable is None:
@@ -185,7 +220,9 @@ class Router:
         self.pending[instance_id] = self.pending.get(instance_id, 0) + pending
         limit = row.capacity and kv_len and self._blocks_of(alias, row.capacity * kv_len)
         self.index.sent(instance_id, ask.prompt.blocks, limit or None)
-        return Slot(backend, row, ask, pending, choice.moved_from, choice.reason, scheduler.binds_sessions)
+        slot = Slot(backend, row, ask, pending, choice.moved_from, choice.reason, scheduler.binds_sessions)
+        self.slots.setdefault(instance_id, set()).add(slot)
+        return slot
 
     def _endpoint(self, row: InstanceRow, ask: Ask, reads_cache: bool, kv_len: int | None) -> Endpoint:
         instance_id = row.instance_id
@@ -233,8 +270,10 @@ class Router:
         left = self.inflight[instance_id] - 1
         if left:
             self.inflight[instance_id] = left
+            self.slots[instance_id].discard(slot)
         else:
             del self.inflight[instance_id]  # instances come and go: keep only those with requests
+            del self.slots[instance_id]
 
     def _unpend(self, slot: Slot) -> None:
         instance_id = slot.instance_id

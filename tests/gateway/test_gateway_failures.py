@@ -178,3 +178,38 @@ async def test_a_stream_whose_instance_is_silent_past_the_first_byte_timeout_is_
         os.killpg(hung.proc.pid, signal.SIGCONT)
         for engine in (hung, healthy):
             engine.stop()
+
+
+async def test_requests_waiting_on_an_instance_the_log_gives_up_are_sent_to_another_at_once(tmp_path, facts, gateways):
+    """A worker cut off by a partition: its engine takes connections and answers nothing, whole answers and streams
+    wait on it with no timeout near. Once the log records the instance ERROR (the worker lost), they are
+    withdrawn from it and answered by another instance, long before any timeout."""
+    cut_off, healthy = (start_engine(tmp_path, "vllm", ALIAS, "--speedup", "10") for _ in range(2))
+    try:
+        wait_healthy([cut_off, healthy])
+        await facts.alias(router={"plugin": "round-robin"})
+        await facts.running("v-cut-off", cut_off, SLOW)
+        await facts.running("v-healthy", healthy, SLOW)
+        await facts.route(R.VLLM_PRIMARY)
+        gateway = await gateways.start()  # the defaults: 60 s to a stream's first byte, 600 s of silence
+        os.killpg(cut_off.proc.pid, signal.SIGSTOP)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+            began = asyncio.get_running_loop().time()
+            # Round robin: of each pair, one is sent to the cut-off instance first.
+            requests = [asyncio.create_task(client.post("/v1/chat/completions", json={**CHAT, "stream": stream}))
+                        for stream in (False, False, True, True)]
+            await asyncio.sleep(1.0)
+            assert sum(not r.done() for r in requests) == 2, "two requests wait on the cut-off instance"
+            await facts.instance("v-cut-off", SLOW, I.ERROR)
+            answers = await asyncio.gather(*requests)
+            took = asyncio.get_running_loop().time() - began
+        assert [a.status_code for a in answers] == [200] * 4
+        assert {a.headers["x-modelpool-instance"] for a in answers} == {"v-healthy"}
+        assert answers[2].text.rstrip().endswith("data: [DONE]") and answers[3].text.rstrip().endswith("data: [DONE]")
+        assert took < 10, f"{took:.1f} s: waited out a timeout instead of moving on"
+        assert metric(await gateway.metrics(), "modelpool:retries_total", alias=ALIAS, backend="vllm",
+                      reason="withdrawn") == 2
+    finally:
+        os.killpg(cut_off.proc.pid, signal.SIGCONT)
+        for engine in (cut_off, healthy):
+            engine.stop()
