@@ -1,10 +1,11 @@
 #!/bin/sh
-# Builds local stand-ins for the official base images (python, nats, postgres) from Debian's packages,
+# Builds local stand-ins for the official base images (python, nats, postgres, haproxy) from Debian's packages,
 # for machines that reach Debian's and PyPI's mirrors but no container image registry:
 #
 #   deploy/standins/build.sh [PYTHON]     # PYTHON: a Python with modelpool installed (default: .venv/bin/python)
 #
-# then `docker compose` with PYTHON_IMAGE, NATS_IMAGE and POSTGRES_IMAGE set as it prints (docs/deploy.md).
+# then `docker compose` with PYTHON_IMAGE, NATS_IMAGE, POSTGRES_IMAGE and HAPROXY_IMAGE set as it prints
+# (docs/deploy.md).
 # Needs root (debootstrap), a running Docker engine and Debian's debootstrap. Every image is built once:
 # the Debian root file system is kept in ~/.cache/modelpool/standins and each image is skipped while it exists.
 set -eu
@@ -50,7 +51,9 @@ cp "$("$python" -c 'import shutil, sys; print(shutil.which("nats-server", path=s
 build modelpool-standin/python:3.11 python.Dockerfile "$context"
 build modelpool-standin/nats:2 nats.Dockerfile "$context"
 build modelpool-standin/postgres:15 postgres.Dockerfile
+build modelpool-standin/haproxy:2 haproxy.Dockerfile
 
 echo "PYTHON_IMAGE=modelpool-standin/python:3.11"
 echo "NATS_IMAGE=modelpool-standin/nats:2"
 echo "POSTGRES_IMAGE=modelpool-standin/postgres:15"
+echo "HAPROXY_IMAGE=modelpool-standin/haproxy:2"

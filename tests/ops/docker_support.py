@@ -77,7 +77,7 @@ def build_standins() -> dict[str, str]:
     """The stand-ins for the official base images (deploy/standins/build.sh), as compose variables."""
     done = run(["sh", str(REPO / "deploy" / "standins" / "build.sh"), sys.executable], timeout_s=2400)
     images = dict(line.split("=", 1) for line in done.stdout.split() if "=" in line)
-    assert set(images) == {"PYTHON_IMAGE", "NATS_IMAGE", "POSTGRES_IMAGE"}, done.stdout
+    assert set(images) == {"PYTHON_IMAGE", "NATS_IMAGE", "POSTGRES_IMAGE", "HAPROXY_IMAGE"}, done.stdout
     return images
 
 

@@ -1,0 +1,228 @@
+"""The multi-host compose cluster (deploy/compose/cluster.yml) driven for its tests and its benchmark.
+
+Every fault is one a real deployment meets, made with Docker's own means: a worker host cut off from the
+network (`docker network disconnect`) and healed, a container killed and started again. What the pool did
+is read where an operator reads it: the log in the cluster's Postgres, `modelpool status` in a container,
+each NATS server's monitoring endpoint. Traffic goes only to the ports the cluster publishes on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from docker_support import Compose, run, say
+from shared.net import free_port
+
+COLD_ALIAS = "smollm2-135m"  # nothing runs until its first request
+WARM_ALIAS = "smollm2-135m-ha"  # two llama.cpp replicas kept on two hosts; sessions bound to their instance
+WORKERS = ("worker-1", "worker-2", "worker-3")
+NATS_SERVERS = ("nats-1", "nats-2", "nats-3")
+AUTOSCALERS = ("autoscaler-1", "autoscaler-2")
+SCHEMA = "modelpool"  # the cluster's MODELPOOL_NAMESPACE
+
+T = TypeVar("T")
+
+
+def until(what: str, check: Callable[[], T | None], timeout_s: float, every_s: float = 0.5) -> T:
+    """`check()` once it answers something truthy, polled; AssertionError naming `what` past the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
+        time.sleep(every_s)
+
+
+@dataclass
+class Load:
+    """Requests sent in loops from `clients` threads until stopped (or `limit` sent): what came back of each."""
+
+    url: str
+    alias: str
+    clients: int = 3
+    limit: int = 5000
+    sessions: bool = False
+    """Each client keeps one conversation (`x-session-id`)."""
+    outcomes: list[tuple[float, str | None]] = field(default_factory=list)
+    """(when it was sent, None when answered whole, else what went wrong), in the order they ended."""
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(self.clients)
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "Load":
+        for n in range(self.clients):
+            self._pool.submit(self._client, n)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True)
+
+    def _client(self, n: int) -> None:
+        session = f"load-{secrets.token_hex(4)}-{n}"
+        while not self._stop.is_set() and len(self.outcomes) < self.limit:
+            sent = time.monotonic()
+            error = chat(self.url, self.alias, "Count to three.", session if self.sessions else None)[1]
+            with self._lock:
+                self.outcomes.append((sent, error))
+
+    @property
+    def sent(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def failed(self) -> list[str]:
+        return [error for _, error in self.outcomes if error is not None]
+
+    def served_since(self, since: float) -> int:
+        return sum(1 for sent, error in list(self.outcomes) if sent >= since and error is None)
+
+
+def chat(url: str, alias: str, prompt: str, session: str | None = None, max_tokens: int = 8,
+         timeout_s: float = 120) -> tuple[dict[str, str], str | None]:
+    """One chat completion: the answer's headers, and None when it came whole, else what went wrong."""
+    body = json.dumps({"model": alias, "messages": [{"role": "user", "content": prompt}],
+                       "max_tokens": max_tokens}).encode()
+    headers = {"content-type": "application/json", **({"x-session-id": session} if session else {})}
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            answer = json.loads(response.read())
+            content = answer["choices"][0]["message"]["content"]
+            return dict(response.headers), None if content else f"empty answer {answer}"
+    except urllib.error.HTTPError as exc:
+        return dict(exc.headers), f"HTTP {exc.code}: {exc.read()[:300]!r}"
+    except Exception as exc:  # every failure is counted, none ends a load loop
+        return {}, repr(exc)
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+class Cluster:
+    """One running copy of deploy/compose/cluster.yml under its own project name and published ports."""
+
+    def __init__(self, images: dict[str, str]) -> None:
+        self.ports = {name: free_port() for name in ("lb", "gateway-1", "gateway-2")}
+        self.compose = Compose(f"mpcluster{secrets.token_hex(3)}", {
+            **images,
+            "MODELPOOL_GATEWAY_BIND": f"127.0.0.1:{self.ports['lb']}",
+            "MODELPOOL_GATEWAY_1_BIND": f"127.0.0.1:{self.ports['gateway-1']}",
+            "MODELPOOL_GATEWAY_2_BIND": f"127.0.0.1:{self.ports['gateway-2']}",
+        }, files=("deploy/compose/cluster.yml",))
+        self.network = f"{self.compose.project}_default"
+
+    def url(self, service: str = "lb") -> str:
+        return f"http://127.0.0.1:{self.ports[service]}"
+
+    # ------------------------------------------------------------------ life
+
+    def up(self, timeout_s: float = 300) -> None:
+        self.compose("up", "-d", "--no-build", timeout_s=900)
+        until("every gateway and the balancer answering /health",
+              lambda: all(healthy(self.url(s)) for s in self.ports), timeout_s)
+
+    def down(self) -> dict[str, list[str]]:
+        """Stopped and removed with its volumes; what of it is left on the engine (nothing, if all went well)."""
+        self.compose("down", "-v", "--remove-orphans", timeout_s=600, check=False)
+        return self.compose.leftovers()
+
+    def logs(self, tail: int = 40) -> str:
+        return self.compose("logs", "--no-color", "--tail", str(tail), check=False).stdout
+
+    def container(self, service: str) -> str:
+        return self.compose("ps", "-q", service, timeout_s=60).stdout.strip()
+
+    def kill(self, service: str) -> None:
+        self.compose("kill", service, timeout_s=120)
+
+    def start(self, service: str) -> None:
+        self.compose("start", service, timeout_s=120)
+
+    def partition(self, service: str) -> None:
+        """The service's host cut off from every other: its containers keep running, nothing reaches them."""
+        run(["docker", "network", "disconnect", self.network, self.container(service)], timeout_s=60)
+
+    def heal(self, service: str) -> None:
+        """Back on the network under its name (its address may differ: peers find it by name)."""
+        run(["docker", "network", "connect", "--alias", service, self.network, self.container(service)],
+            timeout_s=60)
+
+    # ------------------------------------------------------------------ reading what happened
+
+    def sql(self, query: str) -> list[list[str]]:
+        done = self.compose("exec", "-T", "postgres", "psql", "-U", "modelpool", "-d", "modelpool", "-At", "-F",
+                            "\t", "-c", query, timeout_s=60)
+        return [line.split("\t") for line in done.stdout.splitlines() if line]
+
+    def events(self, event_type: str, stream_id: str | None = None) -> list[dict[str, Any]]:
+        where = f"type = '{event_type}'" + (f" AND stream_id = '{stream_id}'" if stream_id else "")
+        rows = self.sql(f"SELECT payload FROM {SCHEMA}.events WHERE {where} ORDER BY position")
+        return [json.loads(row[0]) for row in rows]
+
+    def status(self, via: str = "gateway-2") -> dict[str, Any]:
+        """`modelpool status --json`, run in one of the cluster's containers."""
+        done = self.compose("exec", "-T", via, "modelpool", "status", "--json", timeout_s=60)
+        return json.loads(done.stdout)
+
+    def running(self, alias: str, via: str = "gateway-2") -> dict[str, str]:
+        """Instance id -> worker of the alias's RUNNING instances, as the log has them."""
+        return {i["instance_id"]: i["worker_id"] for i in self.status(via)["instances"]
+                if i["alias"] == alias and i["state"] == "RUNNING"}
+
+    def leader(self, alias: str = WARM_ALIAS, via: str = "gateway-2") -> str | None:
+        """The autoscaler service whose process decided the alias last (its outlook names host and pid)."""
+        outlook = self.status(via)["live"].get("outlooks", {}).get(alias)
+        if not outlook:
+            return None
+        host = outlook["leader"].rsplit("-", 1)[0]  # a container's host name is its id's first 12 characters
+        for service in AUTOSCALERS:
+            if self.container(service).startswith(host):
+                return service
+        return None
+
+    def engines_on(self, worker: str) -> list[str]:
+        """Command lines of the engine processes running in a worker's container."""
+        probe = ("import pathlib\n"
+                 "for p in pathlib.Path('/proc').glob('[0-9]*/cmdline'):\n"
+                 "    try: argv = p.read_bytes().split(b'\\0')\n"
+                 "    except OSError: continue\n"
+                 "    if b'engine' in argv[:5]: print(b' '.join(argv).decode())\n")
+        done = self.compose("exec", "-T", worker, "python3", "-c", probe, timeout_s=60)
+        return done.stdout.splitlines()
+
+    def jetstream(self, server: str) -> dict[str, Any]:
+        """A NATS server's own account of its JetStream streams (its monitoring endpoint)."""
+        done = self.compose("exec", "-T", server, "wget", "-q", "-O", "-",
+                            "http://127.0.0.1:8222/jsz?accounts=true&streams=true", timeout_s=60)
+        return json.loads(done.stdout)
+
+    def stream_state(self, server: str, stream: str) -> dict[str, Any] | None:
+        """`stream`'s state as `server` holds it (messages, last sequence), None where it holds no copy."""
+        for account in self.jetstream(server).get("account_details", []):
+            for detail in account.get("stream_detail", []):
+                if detail["name"] == stream:
+                    return detail["state"]
+        return None
+
+
+def say_load(what: str, load: Load) -> None:
+    say(f"{what}: {load.sent} requests, {len(load.failed)} failed" + (f" ({load.failed[:3]})" if load.failed else ""))
