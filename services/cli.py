@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib
 import sys
 
-from shared.contracts.config import ConfigError
-
 # command -> (module, help). The module exposes `main(argv: list[str]) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.cluster.up", "start the local cluster on the embedded default (or NATS_URL / DATABASE_URL)"),
@@ -53,11 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     try:
         return int(module.main(rest) or 0)
-    except ConfigError as exc:
-        # A configuration problem is the user's to fix: say which field, where, and stop.
-        print(f"modelpool {name}: configuration error: {exc}", file=sys.stderr)
-        return 2
     except Exception as exc:
+        # Imported only here: `modelpool health` runs every few seconds in each container and stays light.
+        from shared.contracts.config import ConfigError
+        if isinstance(exc, ConfigError):
+            # A configuration problem is the user's to fix: say which field, where, and stop.
+            print(f"modelpool {name}: configuration error: {exc}", file=sys.stderr)
+            return 2
         problem = database_problem(exc)
         if problem is None:
             raise

@@ -163,16 +163,3 @@ async def ping_postgres(engine: AsyncEngine) -> None:
     """A query through the pool: raises unless Postgres answers."""
     async with engine.connect() as conn:
         await conn.execute(text("SELECT 1"))
-
-
-def judge_health(health: dict[str, Any], now: float, *, stale_after_s: float, down_after_s: float) -> list[str]:
-    """What is wrong with a service, from its health file: nothing (healthy), or one line per problem."""
-    problems = []
-    age = now - float(health.get("at", 0))
-    if age > stale_after_s:
-        problems.append(f"{health.get('service', 'the service')} has not checked its servers for {age:.0f} s")
-    for server in ("postgres", "nats"):
-        link = health.get(server) or {}
-        if not link.get("up") and float(link.get("for_s", 0)) > down_after_s:
-            problems.append(f"{server} unreachable for {link['for_s']:.0f} s ({link.get('error')})")
-    return problems

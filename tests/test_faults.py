@@ -17,7 +17,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from services.links import Link, ServerLinks, judge_health
+from services.links import Link, ServerLinks
+from services.ops.health import judge_health
 from shared.bus.jetstream import connect
 from shared.faults import Backoff, Outage, StopRequested, is_transient, retry_until_done
 
@@ -182,6 +183,16 @@ async def test_a_services_links_are_probed_written_for_its_health_check_and_noti
     missing = subprocess.run([sys.executable, "-m", "services.cli", "health", "--file", str(tmp_path / "none")],
                              capture_output=True, text=True)
     assert missing.returncode == 1 and "cannot read" in missing.stderr
+
+
+def test_the_health_check_loads_no_client_library():
+    """Containers run `modelpool health` every few seconds each: it must not pay for loading the servers' clients
+    or the configuration's models (it cost two thirds of a CPU second when it did)."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, services.cli, services.ops.health; "
+         "print(' '.join(m for m in ('nats', 'sqlalchemy', 'asyncpg', 'pydantic', 'faststream') if m in sys.modules))"],
+        capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == []
 
 
 def test_a_health_check_with_an_endpoint_needs_it_to_answer_200(tmp_path):

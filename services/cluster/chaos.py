@@ -39,7 +39,7 @@ import asyncpg
 import httpx
 
 from services.gateway.prompts import SESSION_HEADER
-from services.links import judge_health
+from services.ops.health import judge_health
 from services.cluster.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServer
 from services.cluster.localpool import LocalPool
 from shared.net import free_port

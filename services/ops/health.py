@@ -18,8 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-
-from services.links import judge_health
+from typing import Any
 
 
 def main(argv: list[str]) -> int:
@@ -59,6 +58,19 @@ def main(argv: list[str]) -> int:
                           for server in ("postgres", "nats"))
         print(f"healthy: {health.get('service')} (pid {health.get('pid')}): {links}")
     return 1 if problems else 0
+
+
+def judge_health(health: dict[str, Any], now: float, *, stale_after_s: float, down_after_s: float) -> list[str]:
+    """What is wrong with a service, from its health file: nothing (healthy), or one line per problem."""
+    problems = []
+    age = now - float(health.get("at", 0))
+    if age > stale_after_s:
+        problems.append(f"{health.get('service', 'the service')} has not checked its servers for {age:.0f} s")
+    for server in ("postgres", "nats"):
+        link = health.get(server) or {}
+        if not link.get("up") and float(link.get("for_s", 0)) > down_after_s:
+            problems.append(f"{server} unreachable for {link['for_s']:.0f} s ({link.get('error')})")
+    return problems
 
 
 def http_problem(url: str) -> str | None:
