@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from docker_support import Compose, run, say
+from shared.bus.subjects import Subjects
 from shared.net import free_port
 
 COLD_ALIAS = "smollm2-135m"  # nothing runs until its first request
@@ -226,3 +227,144 @@ class Cluster:
 
 def say_load(what: str, load: Load) -> None:
     say(f"{what}: {load.sent} requests, {len(load.failed)} failed" + (f" ({load.failed[:3]})" if load.failed else ""))
+
+
+# ---------------------------------------------------------------------- faults, as the tests and bench/cluster.py make them
+
+
+@dataclass
+class Outcome:
+    """Requests through one fault, and how long until the pool was whole again."""
+
+    load: Load
+    since: float
+    """When the fault began (time.monotonic)."""
+    recovery_s: float
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def served_during(self) -> int:
+        return self.load.served_since(self.since)
+
+    def summary(self) -> dict[str, Any]:
+        return {"sent": self.load.sent, "failed": len(self.load.failed), "recovery_s": round(self.recovery_s, 1),
+                **self.facts}
+
+
+def warm_replicas(cluster: Cluster, timeout_s: float = 240) -> dict[str, str]:
+    """Instance -> worker of the warm alias's two replicas, once both run."""
+    return until(f"two replicas of {WARM_ALIAS} running", lambda: (r := cluster.running(WARM_ALIAS)) and
+                 len(r) == 2 and r, timeout_s=timeout_s, every_s=1)
+
+
+def lose_a_gateway(cluster: Cluster, while_down: Callable[[], None] = lambda: None,
+                   down_s: float = 8.0) -> Outcome:
+    """gateway-1 killed under load through the balancer; `while_down` runs before it is started again.
+    Recovery: from its start until the balancer sends requests to it again."""
+    with Load(cluster.url(), WARM_ALIAS) as load:
+        time.sleep(2)
+        cluster.kill("gateway-1")
+        killed_at = time.monotonic()
+        time.sleep(down_s)
+        while_down()
+        cluster.start("gateway-1")
+        started = time.monotonic()
+        until("the balancer sending to gateway-1 again", lambda: gateway_behind_balancer(cluster) == "gateway-1",
+              timeout_s=120, every_s=0.2)
+        recovery_s = time.monotonic() - started
+        time.sleep(2)
+    say_load("through gateway-1's loss", load)
+    return Outcome(load, killed_at, recovery_s)
+
+
+def gateway_behind_balancer(cluster: Cluster) -> str | None:
+    """The replica the balancer sent one /health to (each names itself)."""
+    try:
+        with urllib.request.urlopen(f"{cluster.url()}/health", timeout=2) as response:
+            return json.loads(response.read()).get("gateway_id")
+    except (OSError, ValueError):
+        return None
+
+
+def lose_a_nats_server(cluster: Cluster, down_s: float = 12.0) -> Outcome:
+    """The server leading the log's stream killed under load, started again after `down_s`.
+    Recovery: from its start until it holds every event of the log, as the others do."""
+    events = Subjects(SCHEMA).events_stream
+    leader = until("the events stream's leader", lambda: next(
+        (d["cluster"]["leader"] for a in cluster.jetstream("nats-1")["account_details"] for d in a["stream_detail"]
+         if d["name"] == events and d.get("cluster", {}).get("leader")), None), timeout_s=30)
+    with Load(cluster.url(), WARM_ALIAS, sessions=True) as load:
+        time.sleep(2)
+        say(f"killing {leader}, the events stream's leader")
+        cluster.kill(leader)
+        killed_at = time.monotonic()
+        time.sleep(down_s)
+        served_without_it = load.served_since(killed_at)
+        cluster.start(leader)
+        started = time.monotonic()
+
+        def caught_up() -> bool:
+            logged = int(cluster.sql(f"SELECT count(*) FROM {SCHEMA}.events")[0][0])
+            held = [cluster.stream_state(server, events) for server in NATS_SERVERS]
+            return all(state is not None and state["messages"] == logged for state in held)
+        until(f"{leader} holding every event of the log, as the others do", caught_up, timeout_s=120, every_s=1)
+        recovery_s = time.monotonic() - started
+        time.sleep(2)
+    say_load(f"through {leader}'s loss", load)
+    return Outcome(load, killed_at, recovery_s, {"server": leader, "served_while_down": served_without_it})
+
+
+def lose_the_deciding_autoscaler(cluster: Cluster) -> Outcome:
+    """The autoscaler that leads killed under load. Recovery: until the other one decides (its outlook, refreshed
+    every 5 s, names it)."""
+    leader = until("an autoscaler deciding", cluster.leader, timeout_s=60)
+    standby = next(s for s in AUTOSCALERS if s != leader)
+    with Load(cluster.url(), WARM_ALIAS) as load:
+        time.sleep(2)
+        cluster.kill(leader)
+        killed_at = time.monotonic()
+        until(f"{standby} deciding", lambda: cluster.leader() == standby, timeout_s=60, every_s=0.5)
+        recovery_s = time.monotonic() - killed_at
+        say(f"{standby} leads {recovery_s:.1f} s after {leader} was killed")
+        cluster.start(leader)
+        time.sleep(2)
+    say_load(f"through {leader}'s loss", load)
+    return Outcome(load, killed_at, recovery_s, {"killed": leader, "leads": standby})
+
+
+def cut_off_a_worker(cluster: Cluster, victim: str | None = None) -> Outcome:
+    """A worker host holding a warm replica cut off the network under load, then healed once the pool is whole.
+    Recovery: from the cut until two replicas run off that host."""
+    placed = warm_replicas(cluster)
+    victim = victim if victim in placed.values() else sorted(placed.values())[0]
+    stale_ports = {i["endpoint"].rsplit(":", 1)[1] for i in cluster.status()["instances"]
+                   if i["worker_id"] == victim and i["endpoint"] and i["state"] == "RUNNING"}
+    stream = f"worker:{victim}"
+    losses_before = len(cluster.events("WorkerLost", stream))
+    with Load(cluster.url(), WARM_ALIAS) as load:
+        time.sleep(2)
+        say(f"cutting {victim} off the network")
+        cluster.partition(victim)
+        cut_at = time.monotonic()
+        until(f"{victim} recorded lost", lambda: len(cluster.events("WorkerLost", stream)) > losses_before,
+              timeout_s=60)
+        lost_s = time.monotonic() - cut_at
+        replaced = until(f"two replicas of {WARM_ALIAS} off {victim}", lambda: (r := cluster.running(WARM_ALIAS))
+                         and len(r) == 2 and victim not in r.values() and r, timeout_s=90)
+        whole_s = time.monotonic() - cut_at
+        say(f"whole again {whole_s:.1f} s after the cut: {replaced}")
+        time.sleep(2)
+        registrations = len(cluster.events("WorkerRegistered", stream))
+        cluster.heal(victim)
+        healed_at = time.monotonic()
+        until(f"{victim} registered again", lambda: len(cluster.events("WorkerRegistered", stream)) > registrations,
+              timeout_s=60)
+        rejoined_s = time.monotonic() - healed_at
+        until(f"{victim}'s stale engines stopped", lambda: not any(
+            f"--port {port} " in f"{cmd} " for cmd in cluster.engines_on(victim) for port in stale_ports),
+            timeout_s=60)
+        time.sleep(2)
+    say_load(f"through {victim}'s partition", load)
+    return Outcome(load, cut_at, whole_s, {
+        "worker": victim, "lost_after_s": round(lost_s, 1), "rejoined_after_heal_s": round(rejoined_s, 1),
+        "times_recorded_lost": len(cluster.events("WorkerLost", stream)) - losses_before})

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from compose_cluster import (AUTOSCALERS, COLD_ALIAS, NATS_SERVERS, SCHEMA, WARM_ALIAS, Cluster, Load, chat,
-                             healthy, say_load, until)
+from compose_cluster import (COLD_ALIAS, NATS_SERVERS, SCHEMA, WARM_ALIAS, Cluster, chat, cut_off_a_worker, healthy,
+                             lose_a_gateway, lose_a_nats_server, lose_the_deciding_autoscaler, until, warm_replicas)
 from docker_support import build_standins, ensure_docker_engine, offer_llama_wheel, prune_replaced_images, say
 
 from shared.bus.subjects import Subjects
@@ -49,11 +50,6 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     assert leftovers == {}, f"left on the engine: {leftovers}"
 
 
-def warm_replicas(cluster: Cluster) -> dict[str, str]:
-    return until(f"two replicas of {WARM_ALIAS} running", lambda: (r := cluster.running(WARM_ALIAS)) and
-                 len(r) == 2 and r, timeout_s=240, every_s=1)
-
-
 def test_the_cluster_serves_from_cold_and_puts_replicas_on_different_hosts(cluster: Cluster) -> None:
     client = openai.OpenAI(base_url=f"{cluster.url()}/v1", api_key="none", max_retries=0, timeout=180)
     assert {COLD_ALIAS, WARM_ALIAS} <= {model.id for model in client.models.list()}
@@ -78,99 +74,47 @@ def test_the_cluster_serves_from_cold_and_puts_replicas_on_different_hosts(clust
 
 def test_a_gateway_replica_killed_the_other_serves_and_honours_its_sessions(cluster: Cluster) -> None:
     warm_replicas(cluster)
-    bound = {}
-    for n in range(6):
-        session = f"conversation-{n}"
-        headers, error = chat(cluster.url("gateway-1"), WARM_ALIAS, "Hello there.", session)
-        assert error is None, error
-        bound[session] = headers["x-modelpool-instance"]
+    sessions = [f"conversation-{n}" for n in range(6)]
+    # Sent at once, so the router (least load among the replicas) places them on both.
+    with ThreadPoolExecutor(len(sessions)) as pool:
+        first = dict(zip(sessions, pool.map(
+            lambda session: chat(cluster.url("gateway-1"), WARM_ALIAS, "Hello there.", session), sessions)))
+    assert all(error is None for _, error in first.values()), first
+    bound = {session: headers["x-modelpool-instance"] for session, (headers, _) in first.items()}
     assert len(set(bound.values())) == 2, f"every session on one instance: {bound}"
     until("the sessions' bindings in the log", lambda: {f"{WARM_ALIAS}/{s}": i for s, i in bound.items()}.items() <= {
         e["session_id"]: e["instance_id"] for e in cluster.events("SessionBound")}.items(), timeout_s=30)
 
-    cluster.kill("gateway-1")
-    with Load(cluster.url(), WARM_ALIAS) as load:
-        time.sleep(8)
-    say_load("through the balancer with gateway-1 dead", load)
-    assert load.sent >= 10 and not load.failed, load.failed[:5]
-    for session, instance in bound.items():
-        headers, error = chat(cluster.url("gateway-2"), WARM_ALIAS, "And again.", session)
-        assert error is None and headers["x-modelpool-instance"] == instance, (session, instance, headers, error)
+    answered: dict[str, tuple[dict[str, str], str | None]] = {}
 
-    cluster.start("gateway-1")
-    until("gateway-1 back", lambda: healthy(cluster.url("gateway-1")), timeout_s=120)
+    def ask_the_live_replica() -> None:
+        for session in bound:
+            answered[session] = chat(cluster.url("gateway-2"), WARM_ALIAS, "And again.", session)
+    outcome = lose_a_gateway(cluster, while_down=ask_the_live_replica)
+    assert outcome.load.sent >= 10 and not outcome.load.failed, outcome.load.failed[:5]
+    for session, instance in bound.items():
+        headers, error = answered[session]
+        assert error is None and headers["x-modelpool-instance"] == instance, (session, instance, headers, error)
+    assert outcome.recovery_s < 30
 
 
 def test_a_nats_server_killed_nothing_stops_and_it_catches_up(cluster: Cluster) -> None:
-    events = Subjects(SCHEMA).events_stream
-    # The server leading the log's stream: its loss makes the others elect a new leader.
-    leader = until("the events stream's leader", lambda: next(
-        (d["cluster"]["leader"] for a in cluster.jetstream("nats-1")["account_details"] for d in a["stream_detail"]
-         if d["name"] == events and d.get("cluster", {}).get("leader")), None), timeout_s=30)
-    survivors = [s for s in NATS_SERVERS if s != leader]
-    with Load(cluster.url(), WARM_ALIAS, sessions=True) as load:
-        time.sleep(3)
-        say(f"killing {leader}, the events stream's leader")
-        cluster.kill(leader)
-        killed_at = time.monotonic()
-        time.sleep(12)
-        served_without_it = load.served_since(killed_at)
-        cluster.start(leader)
-
-        def caught_up() -> bool:
-            logged = int(cluster.sql(f"SELECT count(*) FROM {SCHEMA}.events")[0][0])
-            held = [cluster.stream_state(server, events) for server in NATS_SERVERS]
-            return all(state is not None and state["messages"] == logged for state in held)
-        until(f"{leader} holding every event of the log, as the others do", caught_up, timeout_s=120, every_s=2)
-        time.sleep(2)
-    say_load(f"through {leader}'s loss", load)
-    assert served_without_it >= 5, "the pool stopped serving while a NATS server was away"
-    assert load.sent >= 20 and not load.failed, load.failed[:5]
-    assert all(cluster.stream_state(s, events) for s in survivors)
+    outcome = lose_a_nats_server(cluster)
+    assert outcome.facts["served_while_down"] >= 5, "the pool stopped serving while a NATS server was away"
+    assert outcome.load.sent >= 20 and not outcome.load.failed, outcome.load.failed[:5]
 
 
 def test_the_deciding_autoscaler_killed_the_standby_leads_within_seconds(cluster: Cluster) -> None:
-    leader = until("an autoscaler deciding", cluster.leader, timeout_s=60)
-    standby = next(s for s in AUTOSCALERS if s != leader)
-    cluster.kill(leader)
-    killed_at = time.monotonic()
-    until(f"{standby} deciding", lambda: cluster.leader() == standby, timeout_s=60, every_s=0.5)
-    took = time.monotonic() - killed_at
-    say(f"{standby} leads {took:.1f} s after {leader} was killed")
+    outcome = lose_the_deciding_autoscaler(cluster)
     # Its outlook is refreshed every 5 s: taking over within a second shows within about 6.
-    assert took < 15
-    cluster.start(leader)
+    assert outcome.recovery_s < 15
+    assert not outcome.load.failed, outcome.load.failed[:5]
 
 
 def test_a_worker_host_cut_off_is_lost_once_replaced_and_rejoins_when_healed(cluster: Cluster) -> None:
-    placed = warm_replicas(cluster)
-    victim = sorted(placed.values())[0]
-    stale_ports = {i["endpoint"].rsplit(":", 1)[1] for i in cluster.status()["instances"]
-                   if i["worker_id"] == victim and i["endpoint"] and i["state"] == "RUNNING"}
-    losses_before = len(cluster.events("WorkerLost", f"worker:{victim}"))
-    with Load(cluster.url(), WARM_ALIAS) as load:
-        time.sleep(3)
-        say(f"cutting {victim} off the network")
-        cluster.partition(victim)
-        cut_at = time.monotonic()
-        until(f"{victim} recorded lost", lambda: len(cluster.events("WorkerLost", f"worker:{victim}")) > losses_before,
-              timeout_s=60)
-        replaced = until(f"two replicas of {WARM_ALIAS} off {victim}", lambda: (r := cluster.running(WARM_ALIAS))
-                         and len(r) == 2 and victim not in r.values() and r, timeout_s=90)
-        whole_s = time.monotonic() - cut_at
-        say(f"whole again {whole_s:.1f} s after the cut: {replaced}")
-        time.sleep(3)
-        registrations = len(cluster.events("WorkerRegistered", f"worker:{victim}"))
-        cluster.heal(victim)
-        until(f"{victim} registered again", lambda: len(cluster.events("WorkerRegistered", f"worker:{victim}"))
-              > registrations, timeout_s=60)
-        until(f"{victim}'s stale engines stopped", lambda: not any(
-            f"--port {port} " in f"{cmd} " for cmd in cluster.engines_on(victim) for port in stale_ports),
-            timeout_s=60)
-        time.sleep(3)
-    say_load(f"through {victim}'s partition", load)
-    assert load.served_since(cut_at) >= 10, "requests stopped being served while a host was cut off"
-    assert load.sent >= 20 and not load.failed, load.failed[:5]
-    assert len(cluster.events("WorkerLost", f"worker:{victim}")) == losses_before + 1  # once, not once per retry
-    assert whole_s <= 30
+    outcome = cut_off_a_worker(cluster)
+    assert outcome.served_during >= 10, "requests stopped being served while a host was cut off"
+    assert outcome.load.sent >= 20 and not outcome.load.failed, outcome.load.failed[:5]
+    assert outcome.facts["times_recorded_lost"] == 1  # once, not once per retry
+    assert outcome.recovery_s <= 30
     assert healthy(cluster.url())
