@@ -1,6 +1,7 @@
 """The multi-host compose cluster (deploy/compose/cluster.yml) through its faults, and its gateways' throughput.
 
-    .venv/bin/python bench/cluster.py [--rounds 2] [--rps-seconds 15] [--rps-repeats 3] [--gateway-cpus 0.1]
+    .venv/bin/python bench/cluster.py [--rounds 2] [--rps-seconds 15] [--rps-repeats 3] [--gateway-cpus 0.05]
+                                      [--only faults|throughput]
 
 Builds and starts the cluster as its tests do (stand-in base images where no registry is reachable), then:
 
@@ -9,7 +10,7 @@ Builds and starts the cluster as its tests do (stand-in base images where no reg
   until two replicas run off it), a gateway replica killed (recovery: from its restart until the balancer
   sends to it again), the NATS server leading the log's stream killed for 12 s (recovery: from its restart
   until it holds every event), the deciding autoscaler killed (recovery: until the standby decides);
-- throughput: requests/s through the balancer with both gateway replicas, then with one (the other stopped),
+- throughput: requests/s through the balancer with both gateway replicas and with one (the other paused),
   alternated `--rps-repeats` times, 32 connections sending 1-token requests to the simulated vLLM alias on all
   three hosts. Each gateway container is limited to `--gateway-cpus` of a CPU (`docker update --cpus`), as a
   gateway host of its own would be: on one 2-core machine the replicas otherwise share the cores the
@@ -71,21 +72,23 @@ async def requests_per_second(url: str, seconds: float, connections: int) -> tup
 def throughput(cluster: Cluster, seconds: float, repeats: int, connections: int) -> dict[str, Any]:
     until(f"three replicas of {SIM_ALIAS} running", lambda: len(cluster.running(SIM_ALIAS)) == 3, timeout_s=300,
           every_s=2)
-    asyncio.run(requests_per_second(cluster.url(), 5, connections))  # warm the connections and the engines
     one, two, failed = [], [], 0
     for n in range(repeats):
-        rate, lost = asyncio.run(requests_per_second(cluster.url(), seconds, connections))
-        two.append(rate)
-        failed += lost
-        cluster.compose("stop", "gateway-2", timeout_s=120)
-        until("the balancer sending to gateway-1 alone", lambda: all(
-            gateway_behind_balancer(cluster) == "gateway-1" for _ in range(4)), timeout_s=30, every_s=0.5)
-        rate, lost = asyncio.run(requests_per_second(cluster.url(), seconds, connections))
-        one.append(rate)
-        failed += lost
-        cluster.start("gateway-2")
-        until("gateway-2 back behind the balancer", lambda: "gateway-2" in {
-            gateway_behind_balancer(cluster) for _ in range(4)}, timeout_s=120, every_s=0.5)
+        # Alternated, so neither is always measured first; gateway-2 paused (not restarted) for one, so both
+        # measurements find warm processes; 5 s unmeasured after each change, for the balancer to settle.
+        for gateways in ((2, 1) if n % 2 == 0 else (1, 2)):
+            if gateways == 1:
+                run(["docker", "pause", cluster.container("gateway-2")], timeout_s=60)
+                until("the balancer sending to gateway-1 alone", lambda: all(
+                    gateway_behind_balancer(cluster) == "gateway-1" for _ in range(4)), timeout_s=30, every_s=0.5)
+            asyncio.run(requests_per_second(cluster.url(), 5, connections))
+            rate, lost = asyncio.run(requests_per_second(cluster.url(), seconds, connections))
+            (one if gateways == 1 else two).append(rate)
+            failed += lost
+            if gateways == 1:
+                run(["docker", "unpause", cluster.container("gateway-2")], timeout_s=60)
+                until("gateway-2 back behind the balancer", lambda: "gateway-2" in {
+                    gateway_behind_balancer(cluster) for _ in range(4)}, timeout_s=120, every_s=0.5)
         say(f"round {n + 1}: {two[-1]:.0f} req/s through two gateways, {one[-1]:.0f} through one")
     return {"rps_one_gateway": round(statistics.median(one), 1), "rps_two_gateways": round(statistics.median(two), 1),
             "ratio": round(statistics.median(two) / statistics.median(one), 2),
@@ -104,13 +107,26 @@ def merged(outcomes: list[Outcome]) -> dict[str, Any]:
             "recovery_s": max(r["recovery_s"] for r in rounds), "rounds": rounds}
 
 
+def make_faults(cluster: Cluster, rounds: int) -> dict[str, Any]:
+    faults: dict[str, list[Outcome]] = {"worker_partition": [], "gateway_loss": [], "nats_server_loss": [],
+                                        "autoscaler_leader_loss": []}
+    for n in range(rounds):
+        say(f"faults, round {n + 1} of {rounds}")
+        faults["gateway_loss"].append(lose_a_gateway(cluster))
+        faults["nats_server_loss"].append(lose_a_nats_server(cluster))
+        faults["autoscaler_leader_loss"].append(lose_the_deciding_autoscaler(cluster))
+        faults["worker_partition"].append(cut_off_a_worker(cluster, f"worker-{n % 3 + 1}"))
+    return {name: merged(outcomes) for name, outcomes in faults.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="times each fault is made (default 2)")
     parser.add_argument("--rps-seconds", type=float, default=15.0)
     parser.add_argument("--rps-repeats", type=int, default=3)
     parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--gateway-cpus", type=float, default=0.1)
+    parser.add_argument("--gateway-cpus", type=float, default=0.05)
+    parser.add_argument("--only", choices=("faults", "throughput"), help="measure one of the two")
     args = parser.parse_args()
 
     began = time.monotonic()
@@ -125,19 +141,12 @@ def main() -> int:
         cluster.up()
         warm_replicas(cluster)
         say(f"cluster serving after {time.monotonic() - began:.0f} s")
-        faults: dict[str, list[Outcome]] = {"worker_partition": [], "gateway_loss": [], "nats_server_loss": [],
-                                            "autoscaler_leader_loss": []}
-        for n in range(args.rounds):
-            say(f"faults, round {n + 1} of {args.rounds}")
-            faults["gateway_loss"].append(lose_a_gateway(cluster))
-            faults["nats_server_loss"].append(lose_a_nats_server(cluster))
-            faults["autoscaler_leader_loss"].append(lose_the_deciding_autoscaler(cluster))
-            victim = f"worker-{n % 3 + 1}"
-            faults["worker_partition"].append(cut_off_a_worker(cluster, victim))
-        result["faults"] = {name: merged(outcomes) for name, outcomes in faults.items()}
-        say(f"throughput, each gateway limited to {args.gateway_cpus} CPU")
-        limit_gateways(cluster, args.gateway_cpus)
-        result.update(throughput(cluster, args.rps_seconds, args.rps_repeats, args.connections))
+        if args.only != "throughput":
+            result["faults"] = make_faults(cluster, args.rounds)
+        if args.only != "faults":
+            say(f"throughput, each gateway limited to {args.gateway_cpus} CPU")
+            limit_gateways(cluster, args.gateway_cpus)
+            result.update(throughput(cluster, args.rps_seconds, args.rps_repeats, args.connections))
         assert healthy(cluster.url())
     finally:
         leftovers = cluster.down()

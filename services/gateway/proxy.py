@@ -3,7 +3,8 @@
 A request is sent again, elsewhere, only when nothing of it can have run or
 reached the client: the connection was refused, or the engine broke or went
 silent before its answer began (a whole answer, or a stream's first event within
-`first_byte_timeout_s`); then another running instance of the same backend
+`first_byte_timeout_s`), or the log gave its instance up while it waited (its
+worker lost: `Slot.withdraw`); then another running instance of the same backend
 takes it (never the other backend, seed 000 §6). An engine that answers 503 is
 alive and said no: only an instance with room now takes the request instead,
 else the client gets that 503. A stream that breaks midway is carried on by
