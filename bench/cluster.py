@@ -1,6 +1,6 @@
 """The multi-host compose cluster (deploy/compose/cluster.yml) through its faults, and its gateways' throughput.
 
-    .venv/bin/python bench/cluster.py [--rounds 2] [--rps-seconds 15] [--rps-repeats 3] [--gateway-cpus 0.1]
+    .venv/bin/python bench/cluster.py [--rounds 2] [--rps-seconds 15] [--rps-repeats 3] [--gateway-cpus 0.05]
                                       [--only faults|throughput]
 
 Builds and starts the cluster as its tests do (stand-in base images where no registry is reachable), then:
@@ -125,7 +125,7 @@ def main() -> int:
     parser.add_argument("--rps-seconds", type=float, default=15.0)
     parser.add_argument("--rps-repeats", type=int, default=3)
     parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--gateway-cpus", type=float, default=0.1)
+    parser.add_argument("--gateway-cpus", type=float, default=0.05)
     parser.add_argument("--only", choices=("faults", "throughput"), help="measure one of the two")
     args = parser.parse_args()
 

@@ -15,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+import yaml
 from compose_cluster import (COLD_ALIAS, NATS_SERVERS, SCHEMA, WARM_ALIAS, Cluster, chat, cut_off_a_worker, healthy,
                              lose_a_gateway, lose_a_nats_server, lose_the_deciding_autoscaler, until, warm_replicas)
-from docker_support import build_standins, ensure_docker_engine, offer_llama_wheel, prune_replaced_images, say
+from docker_support import REPO, build_standins, ensure_docker_engine, offer_llama_wheel, prune_replaced_images, say
 
 from shared.bus.subjects import Subjects
 
@@ -48,6 +49,23 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         prune_replaced_images()
         say(f"cluster tests took {time.monotonic() - began:.0f} s")
     assert leftovers == {}, f"left on the engine: {leftovers}"
+
+
+def test_the_cluster_file_names_the_official_images_and_every_server_of_the_nats_cluster() -> None:
+    """What a user gets without setting anything; and no service left on one NATS server or one copy."""
+    services = yaml.safe_load((REPO / "deploy" / "compose" / "cluster.yml").read_text())["services"]
+    assert {services[s]["image"] for s in NATS_SERVERS} == {"${NATS_IMAGE:-nats:2.10-alpine}"}
+    assert services["postgres"]["image"] == "${POSTGRES_IMAGE:-postgres:16}"
+    assert services["lb"]["image"] == "${HAPROXY_IMAGE:-haproxy:2.8-alpine}"
+    assert services["migrate"]["build"]["args"]["PYTHON_IMAGE"] == "${PYTHON_IMAGE:-python:3.11-slim}"
+    modelpool = {name: s for name, s in services.items() if s.get("image") == "modelpool:local"}
+    assert len(modelpool) == 11  # migrate, relay, projector, placement, 2 autoscalers, 3 workers, 2 gateways
+    for name, service in modelpool.items():
+        env = service["environment"]
+        assert env["NATS_URL"].split(",") == [f"nats://{n}:4222" for n in NATS_SERVERS], name
+        assert env["MODELPOOL_STREAM_REPLICAS"] == "3", name
+        if name.startswith("worker-"):
+            assert env["MODELPOOL_WORKER_HOST"] == name  # engines listen on the host's own address
 
 
 def test_the_cluster_serves_from_cold_and_puts_replicas_on_different_hosts(cluster: Cluster) -> None:
