@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from docker_support import Compose, run, say
+from docker_support import Compose, healthy, run, say
 from shared.bus.subjects import Subjects
 from shared.net import free_port
 
@@ -88,6 +88,10 @@ class Load:
     def failed(self) -> list[str]:
         return [error for _, error in self.outcomes if error is not None]
 
+    def failed_since(self, since: float) -> list[str]:
+        """What went wrong with the requests sent at `since` or later."""
+        return [error for sent, error in list(self.outcomes) if sent >= since and error is not None]
+
     def served_since(self, since: float) -> int:
         return sum(1 for sent, error in list(self.outcomes) if sent >= since and error is None)
 
@@ -108,14 +112,6 @@ def chat(url: str, alias: str, prompt: str, session: str | None = None, max_toke
         return dict(exc.headers), f"HTTP {exc.code}: {exc.read()[:300]!r}"
     except Exception as exc:  # every failure is counted, none ends a load loop
         return {}, repr(exc)
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 class Cluster:
@@ -248,7 +244,7 @@ class Outcome:
 
     def summary(self) -> dict[str, Any]:
         return {"sent": self.load.sent, "failed": len(self.load.failed), "recovery_s": round(self.recovery_s, 1),
-                **self.facts}
+                "failed_sent_after_the_fault": len(self.load.failed_since(self.since)), **self.facts}
 
 
 def warm_replicas(cluster: Cluster, timeout_s: float = 240) -> dict[str, str]:

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -94,6 +95,15 @@ def prune_replaced_images() -> None:
     the whole file system. The dependencies' stage is unlabelled and stays, so the next build reuses it."""
     run(["docker", "image", "prune", "-f", "--filter", "label=org.opencontainers.image.title=modelpool"],
         timeout_s=300)
+
+
+def healthy(url: str) -> bool:
+    """A modelpool gateway (or the balancer before the gateways) answering GET /health with 200."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 class Compose:

@@ -12,13 +12,12 @@ import concurrent.futures
 import secrets
 import threading
 import time
-import urllib.request
 
 import openai
 import pytest
 import yaml
 
-from docker_support import (REPO, Compose, build_standins, ensure_docker_engine, offer_llama_wheel,
+from docker_support import (REPO, Compose, build_standins, ensure_docker_engine, healthy, offer_llama_wheel,
                             prune_replaced_images, say)
 from services.cluster.up import SERVICES
 from shared.net import free_port
@@ -27,14 +26,6 @@ pytestmark = [pytest.mark.processes, pytest.mark.docker, pytest.mark.slow, pytes
 
 ALIAS = "smollm2-135m"  # config/pool.yaml's default alias: the real llama.cpp engine in the worker container
 API_KEY = "sk-compose-test-" + secrets.token_hex(8)
-
-
-def gateway_healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def test_the_compose_file_names_the_official_images_behind_variables() -> None:
@@ -64,11 +55,11 @@ def test_compose_up_serves_from_cold_through_restarts_then_down_leaves_nothing()
         say(f"image built after {time.monotonic() - began:.0f} s; compose up")
         compose("up", "-d", "--no-build", timeout_s=600)
         deadline = time.monotonic() + 180
-        while not gateway_healthy(url):
+        while not healthy(url):
             assert time.monotonic() < deadline, f"the gateway never answered /health:\n{compose('logs', check=False).stdout[-6000:]}"
             time.sleep(1)
-        healthy = compose("ps", timeout_s=60).stdout
-        assert "Exit" not in healthy.replace("Exit 0", ""), healthy
+        listed = compose("ps", timeout_s=60).stdout
+        assert "Exit" not in listed.replace("Exit 0", ""), listed
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
         assert ALIAS in [model.id for model in client.models.list()]
