@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 LLAMA_CPP_VERSION := 0.3.36
 WHEELHOUSE ?= $(HOME)/.cache/modelpool/wheels
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run test test-gpu test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,10 @@ run: install
 
 test: install
 	$(BIN)/pytest -q
+
+# On a machine with an NVIDIA GPU and vLLM: the worker's vLLM adapter against a real `vllm serve`.
+test-gpu: install
+	$(BIN)/pytest -q tests/gpu
 
 # The inner loop: the pure and in-memory tests, no servers, processes or model (well under a minute).
 test-fast: install

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lab": ("lab.cli", "policy lab: simulate the pool's policies on a workload (run, compare)"),
     "calibrate": ("lab.calibrate_cli", "estimate a run's rates, derive the hybrid parameters, tune them in the lab"),
     "engine": ("services.engines.cli", "run an inference engine: `engine llama.cpp` or `engine sim`"),
+    "vllm-check": ("services.ops.vllm_check", "drive a real `vllm serve` through start, sleep and wake (needs a GPU)"),
 }
 
 

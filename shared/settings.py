@@ -37,6 +37,7 @@ ENVIRONMENT = {
     "worker_id": "MODELPOOL_WORKER_ID",
     "worker_host": "MODELPOOL_WORKER_HOST",
     "worker_gpu_memory_gb": "MODELPOOL_WORKER_GPU_MEMORY_GB",
+    "worker_gpus": "MODELPOOL_WORKER_GPUS",
     "worker_slots": "MODELPOOL_WORKER_SLOTS",
     "worker_sim_speedup": "MODELPOOL_WORKER_SIM_SPEEDUP",
     "worker_health_timeout_s": "MODELPOOL_WORKER_HEALTH_TIMEOUT_S",
@@ -73,6 +74,9 @@ class Settings(BaseModel):
     address where the gateway runs elsewhere (never 0.0.0.0: engines' control paths stay off other networks)."""
     worker_gpu_memory_gb: Annotated[float, Field(ge=0)] | Literal["auto"] = 0.0
     """GB of GPU memory this worker offers, or `auto`: what its NVIDIA GPUs hold (`services/worker/gpus.py`)."""
+    worker_gpus: int | None = Field(default=None, ge=1)
+    """The GPUs that memory is spread over (each vLLM instance is given its share of one); `auto` memory counts
+    them, else one."""
     worker_slots: int = Field(default=4, ge=0)
     worker_sim_speedup: float = Field(default=1.0, gt=0)
     """Simulated engines run this many times faster than real time (tests use large values)."""

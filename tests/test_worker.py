@@ -165,6 +165,11 @@ async def test_lifecycle_over_the_engine_http_api(worker, store):
         wake = WakeInstance(instance_id="v1", alias="qwen3-vl-2b", backend_type=V, worker_id="w1")
         await worker.handle(Envelope.wrap(wake), wake)
         assert (await client.get(f"{endpoint}/is_sleeping")).json() == {"is_sleeping": False}
+        # Woken from level 2 with its weights loaded again: it answers (a plain /wake_up would leave them empty).
+        answer = await client.post(f"{endpoint}/v1/chat/completions", timeout=30, json={
+            "model": "qwen3-vl-2b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] > 0
     drain = DrainInstance(instance_id="v1", alias="qwen3-vl-2b", backend_type=V, worker_id="w1", timeout_s=10)
     await worker.handle(Envelope.wrap(drain), drain)
     await eventually(lambda: outcomes_contains(store, "v1", ("drain", "ok")))

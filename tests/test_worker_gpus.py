@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from services.worker.gpus import gpu_memory_gb
+from services.worker.gpus import gpus
 from shared.contracts.config import ConfigError
 from shared.settings import Settings
 
@@ -29,12 +29,15 @@ def test_a_number_is_taken_as_it_is_and_auto_is_accepted_as_a_setting():
     assert Settings.load({"MODELPOOL_WORKER_GPU_MEMORY_GB": "auto"}).worker_gpu_memory_gb == "auto"
     with pytest.raises(ConfigError, match="worker_gpu_memory_gb"):
         Settings.load({"MODELPOOL_WORKER_GPU_MEMORY_GB": "lots"})
-    assert gpu_memory_gb(24.0) == 24.0
+    assert gpus(24.0) == (24.0, 1)
+    assert Settings.load({"MODELPOOL_WORKER_GPUS": "4"}).worker_gpus == 4
+    with pytest.raises(ConfigError, match="worker_gpus"):
+        Settings.load({"MODELPOOL_WORKER_GPUS": "0"})
 
 
 def test_auto_sums_what_the_gpus_hold(nvidia_smi):
     nvidia_smi("81920\n81920\n")  # MiB per GPU, as --format=csv,noheader,nounits prints it
-    assert gpu_memory_gb("auto") == 160.0
+    assert gpus("auto") == (160.0, 2)
 
 
 @pytest.mark.parametrize("output, status, says", [
@@ -45,7 +48,7 @@ def test_auto_sums_what_the_gpus_hold(nvidia_smi):
 def test_auto_that_cannot_be_read_is_a_configuration_error_naming_the_variable(nvidia_smi, output, status, says):
     nvidia_smi(output, status)
     with pytest.raises(ConfigError, match="worker_gpu_memory_gb") as raised:
-        gpu_memory_gb("auto")
+        gpus("auto")
     assert says in raised.value.message and raised.value.source == "environment variable MODELPOOL_WORKER_GPU_MEMORY_GB"
 
 

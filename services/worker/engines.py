@@ -3,9 +3,8 @@
 One `EngineProcess` per instance: the real llama.cpp engine, the real
 `vllm serve` (sleep mode on), or the simulator standing in for either. Control
 goes through each engine's documented HTTP API — `/health`, `/metrics`,
-`/v1/models`, llama.cpp's `/slots`, and for vLLM `POST /sleep?level=N`,
-`POST /wake_up` — so the worker drives a simulated vLLM exactly as it would
-drive a real one. Each engine's stdout and stderr go to a log file of its
+`/v1/models`, llama.cpp's `/slots`, and vLLM's sleep mode (`EngineProcess.sleep`,
+`wake`) — so the worker drives a simulated vLLM exactly as it would drive a real one. Each engine's stdout and stderr go to a log file of its
 instance, whose last lines say why an engine died.
 """
 
@@ -22,6 +21,7 @@ import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 2.0
 """For the worker's reads of an engine's state: one that takes longer is reported as not answering."""
+ADMIN_TIMEOUT_S = 120.0
+"""For one sleep-mode call: a level-2 wake reloads the weights from disk."""
 
 
 class EngineError(RuntimeError):
@@ -52,6 +54,9 @@ class EngineOptions:
     sim_startup_s: float | None = None
     llama_threads: int | None = None
     vllm_binary: str = "vllm"
+    gpu_memory_per_gpu_gb: float | None = None
+    """Memory of each of this worker's GPUs: a vLLM instance is given its share of one as
+    `--gpu-memory-utilization`, so instances placed side by side fit. None: vLLM's own default."""
 
 
 def default_log_dir(worker_id: str) -> Path:
@@ -119,7 +124,20 @@ def _base_argv(spec: StartInstance, port: int, options: EngineOptions) -> tuple[
             "--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
+    if options.gpu_memory_per_gpu_gb and "gpu-memory-utilization" not in spec.engine_args:
+        argv += ["--gpu-memory-utilization", f"{gpu_memory_utilization(spec, options.gpu_memory_per_gpu_gb):.4f}"]
     return argv, env
+
+
+def gpu_memory_utilization(spec: StartInstance, per_gpu_gb: float) -> float:
+    """The share of each of its GPUs a vLLM instance may take: its configured memory spread over its
+    tensor-parallel ranks, over one GPU's memory. vLLM's default (0.9 of the whole GPU) would let the
+    first of two instances placed on one GPU take the memory of both."""
+    share = spec.gpu_memory_gb / spec.tensor_parallel_size / per_gpu_gb
+    if not 0 < share <= 1:
+        raise EngineError(f"{spec.instance_id} takes {spec.gpu_memory_gb:g} GB over {spec.tensor_parallel_size} "
+                          f"GPU(s), which does not fit GPUs of {per_gpu_gb:g} GB")
+    return share
 
 
 @dataclass
@@ -138,6 +156,9 @@ class EngineProcess:
     capacity: int | None = None
     stop_requested: bool = False
     """The worker stopped it: its exit is no failure."""
+    sleep_level: int = 0
+    """The level it was put to sleep at (0: awake). An engine outlives no worker (`kill_leftover_engines`),
+    so this is known whenever it is needed: a level-2 wake reloads the weights."""
 
     @property
     def alive(self) -> bool:
@@ -182,14 +203,29 @@ class EngineProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
 
     async def sleep(self, level: int) -> None:
-        response = await self.client.post("/sleep", params={"level": level}, timeout=120.0)
-        if response.status_code != 200:
-            raise EngineError(f"/sleep?level={level} answered {response.status_code}: {response.text[:200]}")
+        """vLLM's `POST /sleep?level=N`, told to let requests under way finish (`mode=wait`): its default,
+        `abort`, would cut off a request routed in just before the sleep. The controller sleeps only idle
+        instances, so the wait is short."""
+        await self._admin("POST", "/sleep", params={"level": level, "mode": "wait"})
+        self.sleep_level = level
 
     async def wake(self) -> None:
-        response = await self.client.post("/wake_up", timeout=120.0)
+        """vLLM's `POST /wake_up`. Level 2 discarded the weights, and a plain wake-up only remaps their memory,
+        empty: the engine would answer garbage. So, as vLLM's sleep-mode guide does it, the weights' memory is
+        woken, the weights loaded again in place (`reload_weights`), then the KV cache woken."""
+        if self.sleep_level == 2:
+            await self._admin("POST", "/wake_up", params={"tags": "weights"})
+            await self._admin("POST", "/collective_rpc", json={"method": "reload_weights"})
+            await self._admin("POST", "/wake_up", params={"tags": "kv_cache"})
+        else:
+            await self._admin("POST", "/wake_up")
+        self.sleep_level = 0
+
+    async def _admin(self, method: str, path: str, **kwargs: Any) -> None:
+        response = await self.client.request(method, path, timeout=ADMIN_TIMEOUT_S, **kwargs)
         if response.status_code != 200:
-            raise EngineError(f"/wake_up answered {response.status_code}: {response.text[:200]}")
+            query = f"?{response.request.url.query.decode()}" if response.request.url.query else ""
+            raise EngineError(f"{method} {path}{query} answered {response.status_code}: {response.text[:200]}")
 
     async def inflight(self) -> int:
         """Requests running or waiting, read from the engine's Prometheus metrics."""

@@ -14,7 +14,7 @@ from nats.js import JetStreamContext
 
 from services.runtime import ServiceContext, run_service
 from services.worker.engines import EngineLauncher, EngineOptions, default_log_dir, kill_leftover_engines
-from services.worker.gpus import gpu_memory_gb
+from services.worker.gpus import gpus
 from services.worker.service import Worker
 from shared.bus.jetstream import Consumer
 from shared.bus.subjects import Subjects
@@ -81,8 +81,10 @@ async def serve(ctx: ServiceContext) -> None:
     worker = Worker(
         worker_id=worker_id,
         store=ctx.store,
-        launcher=EngineLauncher(EngineOptions(log_dir=log_dir, host=settings.worker_host,
-                                              sim_speedup=settings.worker_sim_speedup), marker),
+        launcher=EngineLauncher(EngineOptions(
+            log_dir=log_dir, host=settings.worker_host, sim_speedup=settings.worker_sim_speedup,
+            gpu_memory_per_gpu_gb=float(settings.worker_gpu_memory_gb) / (settings.worker_gpus or 1) or None),
+            marker),
         telemetry=ctx.telemetry,
         gpu_memory_gb=float(settings.worker_gpu_memory_gb),
         slots=settings.worker_slots,
@@ -105,5 +107,6 @@ async def serve(ctx: ServiceContext) -> None:
 def main(argv: list[str]) -> int:
     settings = Settings.load()
     # `auto` is read off the GPUs once, before anything starts: a worker that cannot tell stops here, saying why.
-    settings = settings.model_copy(update={"worker_gpu_memory_gb": gpu_memory_gb(settings.worker_gpu_memory_gb)})
+    memory_gb, count = gpus(settings.worker_gpu_memory_gb, settings.worker_gpus)
+    settings = settings.model_copy(update={"worker_gpu_memory_gb": memory_gb, "worker_gpus": count})
     return run_service("worker", serve, settings)

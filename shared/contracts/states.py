@@ -71,8 +71,9 @@ _SLEEP: frozenset[tuple[InstanceState, InstanceState]] = frozenset(
         (_I.SLEEP_1, _I.RUNNING),
         (_I.SLEEP_1, _I.SLEEP_2),
         (_I.SLEEP_2, _I.SLEEP_1),
-        # vLLM's /wake_up restores from either level in one call, so level 2 wakes
-        # straight to RUNNING rather than through a level-1 stop that never happens.
+        # One wake command brings either level straight back to RUNNING: from level 2 the
+        # worker wakes the weights' memory, reloads the weights (level 2 discarded them),
+        # then wakes the KV cache — never a level-1 stop in between.
         (_I.SLEEP_2, _I.RUNNING),
         (_I.SLEEP_1, _I.DRAINING),
         (_I.SLEEP_2, _I.DRAINING),

@@ -71,9 +71,38 @@ def test_lifecycle_sleep_levels_and_memory() -> None:
     life.begin_sleep(2)
     life.asleep()
     assert life.memory().cpu_bytes == 0 and life.sleep_state_label() == "discard_all"
-    assert life.begin_wake() == config.wake_l2_s
+    assert life.begin_wake() == 0.0  # level 2: the weights' memory is only remapped, empty
+    life.awake()
+    assert life.state is EngineState.AWAKE and life.weights_lost and not life.serving
+    assert life.begin_reload() == config.wake_l2_s  # reload_weights: the level-2 wake's cost
+    life.end_reload(True)
+    assert life.serving and life.memory() == awake
     with pytest.raises(LifecycleError):
         life.begin_sleep(3)
+
+
+def test_level_2_wakes_tag_by_tag_and_needs_its_weights_reloaded() -> None:
+    config = EngineConfig.resolve("vllm", env={})
+    life = Lifecycle(config)
+    life.loaded()
+    life.begin_sleep(2)
+    life.asleep()
+    with pytest.raises(LifecycleError):
+        life.begin_reload()  # the weights' memory is still asleep
+    assert life.begin_wake(frozenset({"weights"})) == 0.0
+    life.awake()
+    assert life.state is EngineState.SLEEPING and life.is_sleeping and life.sleeping_tags == {"kv_cache"}
+    assert life.memory().gpu_bytes == int((config.residual_gib + config.weights_gib) * GIB)  # no KV cache yet
+    assert life.begin_wake(frozenset({"weights"})) is None  # not asleep: a no-op, as in vLLM
+    life.begin_reload()
+    life.end_reload(False)  # interrupted: still lost
+    assert life.weights_lost
+    life.begin_reload()
+    life.end_reload(True)
+    assert not life.serving  # the KV cache still sleeps
+    life.begin_wake(frozenset({"kv_cache"}))
+    life.awake()
+    assert life.serving and not life.is_sleeping and life.level == 0
 
 
 def test_llamacpp_lifecycle_has_no_sleep() -> None:

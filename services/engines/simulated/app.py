@@ -126,14 +126,20 @@ class EngineServer:
 
     def require_serving(self) -> None:
         state = self.lifecycle.state
-        if state is EngineState.AWAKE:
+        if state is EngineState.AWAKE and not self.lifecycle.reloading:
+            if self.lifecycle.weights_lost:
+                # A real vLLM would answer with text computed from empty weights; refusing makes a wake that
+                # skipped the reload visible.
+                raise APIError(500, "the weights were discarded by sleep level 2 and never loaded again: a real vLLM "
+                               "would answer garbage (POST /collective_rpc {\"method\": \"reload_weights\"} after "
+                               "waking the weights)", type="api_error", code="weights_not_loaded")
             return
         if state is EngineState.LOADING:
             raise APIError(503, "Loading model", type="unavailable_error", code=503)
         if state is EngineState.DRAINING:
             raise service_unavailable(
                 f"engine is going to sleep (level {self.lifecycle.level}); request refused", code="engine_sleeping")
-        if state is EngineState.WAKING:
+        if state is EngineState.WAKING or self.lifecycle.reloading:
             raise service_unavailable("engine is waking up; retry shortly", code="engine_waking")
         raise service_unavailable(
             f"engine is sleeping (level {self.lifecycle.level}); POST /wake_up before sending requests",
@@ -218,7 +224,8 @@ class EngineServer:
 
     def _raise_if_aborted(self, gen: Generation) -> None:
         if gen.finish_reason == "abort":  # the client is still here, so the engine gave up on it
-            raise internal_error(f"simulated engine aborted the request: {self.driver.failure!r}")
+            why = f"its decode loop failed: {self.driver.failure!r}" if self.driver.failure else "it was put to sleep"
+            raise internal_error(f"simulated engine aborted the request: {why}")
 
     def usage(self, gen: Generation) -> Usage:
         return self.usage_of([gen])

@@ -183,6 +183,11 @@ class RealTimeDriver:
         self._admit_deferred()
         return True
 
+    def abort_all(self) -> int:
+        """Stop every request under way (vLLM's sleep in its default `mode=abort`); how many were stopped."""
+        aborted = [gen for gen in list(self.active.values()) if self.cancel(gen)]
+        return len(aborted)
+
     async def wait(self, gen: Generation) -> None:
         """Until the next batch gives `gen` a token or finishes it; the caller re-checks its counters."""
         assert self._loop is not None

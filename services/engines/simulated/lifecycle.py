@@ -3,15 +3,19 @@
 Pure state machine: methods validate a transition and return the delay it takes;
 the server does the waiting. States:
 
-    LOADING -> AWAKE -> DRAINING -> SLEEPING(1|2) -> WAKING -> AWAKE
+    LOADING -> AWAKE -> DRAINING -> SLEEPING(1|2) -> WAKING -> (SLEEPING ->) AWAKE
 
-- level 1: weights are offloaded to CPU memory, the KV cache is discarded;
-- level 2: weights and KV cache are discarded (buffers stay in CPU memory);
-- waking takes the per-level wake delay; the prefix cache is empty afterwards.
+vLLM tags its GPU memory `weights` and `kv_cache`; a sleep puts both to sleep:
+- level 1: the weights are offloaded to CPU memory, the KV cache is discarded;
+- level 2: the weights and the KV cache are discarded (buffers stay in CPU memory).
+`/wake_up` wakes every sleeping tag, or those named (`?tags=weights`); the engine
+counts as sleeping until both are awake. Waking level-2 weights only remaps empty
+memory: they must be loaded again (`/collective_rpc` `reload_weights`) before the
+engine can answer, else a real vLLM computes with garbage — here, every request is
+refused saying so (`weights_lost`). The prefix cache is empty after any sleep.
 
-DRAINING is modelling policy, not vLLM's: once sleep is asked for, new requests
-are refused and the ones in flight finish before the weights go away, so a
-sleep command never loses a request.
+DRAINING: once sleep is asked for, new requests are refused while the ones in
+flight are aborted (vLLM's default `mode=abort`) or finish first (`mode=wait`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class MemoryFootprint:
 
 # vLLM's `vllm:engine_sleep_state` label values.
 SLEEP_STATE_LABELS = ("awake", "weights_offloaded", "discard_all")
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+MEMORY_TAGS = (WEIGHTS, KV_CACHE)
 
 
 class Lifecycle:
@@ -50,6 +56,12 @@ class Lifecycle:
         self.state = EngineState.LOADING
         self.level = 0
         """Sleep level while DRAINING / SLEEPING / WAKING (0 when awake)."""
+        self.sleeping_tags: frozenset[str] = frozenset()
+        """Memory tags asleep (both from the sleep until a wake names them)."""
+        self._waking: frozenset[str] = frozenset()
+        self.weights_lost = False
+        """Level 2 discarded the weights and they have not been loaded again since."""
+        self.reloading = False
         self.supports_sleep = config.profile == "vllm"
 
     # ------------------------------------------------------------ transitions
@@ -79,28 +91,55 @@ class Lifecycle:
         if self.state is not EngineState.DRAINING:
             raise LifecycleError(f"engine is {self.state.value}, not draining")
         self.state = EngineState.SLEEPING
+        self.sleeping_tags = frozenset(MEMORY_TAGS)
+        self.weights_lost = self.weights_lost or self.level == 2
 
-    def begin_wake(self) -> float | None:
-        """Start waking; returns the delay, or None when already awake (a no-op)."""
+    def begin_wake(self, tags: frozenset[str] | None = None) -> float | None:
+        """Start waking `tags` (None: all); returns the delay, or None when none of them sleeps (a no-op,
+        as in vLLM, unknown tags included)."""
         self._require_sleep_mode()
         if self.state is EngineState.AWAKE:
             return None
         if self.state is not EngineState.SLEEPING:
             raise LifecycleError(f"cannot wake while {self.state.value}")
-        self.state = EngineState.WAKING
-        return self._config.wake_l1_s if self.level == 1 else self._config.wake_l2_s
+        waking = self.sleeping_tags & (tags if tags is not None else frozenset(MEMORY_TAGS))
+        if not waking:
+            return None
+        self.state, self._waking = EngineState.WAKING, waking
+        # Level 1 copies the weights back from CPU memory; level 2 only remaps empty memory (the
+        # reload is its own call), and the KV cache is allocated empty: neither is modelled as taking time.
+        return self._config.wake_l1_s if WEIGHTS in waking and self.level == 1 else 0.0
 
     def awake(self) -> None:
         if self.state is not EngineState.WAKING:
             raise LifecycleError(f"engine is {self.state.value}, not waking")
-        self.state = EngineState.AWAKE
-        self.level = 0
+        self.sleeping_tags -= self._waking
+        self._waking = frozenset()
+        if self.sleeping_tags:
+            self.state = EngineState.SLEEPING
+        else:
+            self.state, self.level = EngineState.AWAKE, 0
+
+    def begin_reload(self) -> float:
+        """Start loading the weights again (`reload_weights`); returns the delay. Their memory must be awake."""
+        self._require_sleep_mode()
+        if self.state not in (EngineState.AWAKE, EngineState.SLEEPING) or WEIGHTS in self.sleeping_tags:
+            raise LifecycleError("reload_weights needs the weights' memory awake: "
+                                 "POST /wake_up?tags=weights first")
+        if self.reloading:
+            raise LifecycleError("the weights are already being reloaded")
+        self.reloading = True
+        return self._config.wake_l2_s
+
+    def end_reload(self, loaded: bool) -> None:
+        self.reloading = False
+        self.weights_lost = self.weights_lost and not loaded
 
     # ------------------------------------------------------------ views
 
     @property
     def serving(self) -> bool:
-        return self.state is EngineState.AWAKE
+        return self.state is EngineState.AWAKE and not self.weights_lost and not self.reloading
 
     @property
     def is_sleeping(self) -> bool:
@@ -123,11 +162,14 @@ class Lifecycle:
             return MemoryFootprint(gpu_bytes=0, cpu_bytes=weights + kv if loaded else 0)
         if self.state is EngineState.LOADING:
             return MemoryFootprint(gpu_bytes=residual, cpu_bytes=0)
-        if self.state is EngineState.SLEEPING or self.state is EngineState.WAKING:
-            offloaded = weights if self.level == 1 else 0
-            return MemoryFootprint(gpu_bytes=residual, cpu_bytes=offloaded)
         # vLLM reserves its whole KV pool at start-up, so GPU use does not follow load.
-        return MemoryFootprint(gpu_bytes=residual + weights + c.kv_tokens * c.kv_bytes_per_token, cpu_bytes=0)
+        kv = c.kv_tokens * c.kv_bytes_per_token
+        if self.state is EngineState.SLEEPING or self.state is EngineState.WAKING:
+            weights_asleep = WEIGHTS in self.sleeping_tags
+            return MemoryFootprint(
+                gpu_bytes=residual + (0 if weights_asleep else weights) + (0 if KV_CACHE in self.sleeping_tags else kv),
+                cpu_bytes=weights if weights_asleep and self.level == 1 else 0)
+        return MemoryFootprint(gpu_bytes=residual + weights + kv, cpu_bytes=0)
 
     def _require_sleep_mode(self) -> None:
         if not self.supports_sleep:

@@ -1,8 +1,11 @@
-"""vLLM's sleep-mode endpoints on the simulated engine (`VLLM_SERVER_DEV_MODE=1`): `/sleep`, `/wake_up`, `/is_sleeping`.
+"""vLLM's sleep-mode endpoints on the simulated engine (`VLLM_SERVER_DEV_MODE=1`): `/sleep`, `/wake_up`,
+`/collective_rpc`, `/is_sleeping`.
 
-They follow vLLM's documented behaviour, awkward parts included: a sleep
-waits for the requests under way, a sleep call while asleep is ignored
-whatever its level, and a request to an engine that sleeps or wakes is refused
+They follow vLLM's documented behaviour, awkward parts included: a sleep aborts
+the requests under way unless told `mode=wait`; a sleep call while asleep is
+ignored whatever its level; `/wake_up` wakes the memory tags named (`?tags=weights`)
+or all; weights discarded at level 2 stay garbage until `reload_weights` is called
+through `/collective_rpc`; a request to an engine that sleeps or wakes is refused
 with 503. Timing comes from the lifecycle model (`lifecycle.py`).
 """
 
@@ -33,6 +36,12 @@ def _transition(step: Callable[..., Any], *args: Any) -> Any:
         raise APIError(409, str(exc), type="invalid_request_error", code="invalid_state") from None
 
 
+SLEEP_MODES = ("abort", "wait")
+"""vLLM's pause modes a sleep takes; its third, `keep` (freeze requests, resume them after the wake), is not
+simulated and is refused saying so."""
+COLLECTIVE_RPC_METHODS = ("reload_weights",)
+
+
 def vllm_admin_routes(server: EngineServer) -> list[Route]:
     lifecycle, config = server.lifecycle, server.config
     lock = asyncio.Lock()
@@ -45,6 +54,10 @@ def vllm_admin_routes(server: EngineServer) -> list[Route]:
             raise bad_request(f"sleep level must be 1 or 2, got {raw!r}", param="level") from None
         if level not in (1, 2):
             raise bad_request(f"sleep level must be 1 or 2, got {level}", param="level")
+        mode = request.query_params.get("mode", "abort")
+        if mode not in SLEEP_MODES:
+            raise bad_request(f"sleep mode must be one of {', '.join(SLEEP_MODES)} in the simulated engine, "
+                              f"got {mode!r}", param="mode")
         async with lock:
             if not _transition(lifecycle.begin_sleep, level):
                 # vLLM's executor ignores a sleep call while asleep ("already sleeping"), whatever
@@ -52,6 +65,10 @@ def vllm_admin_routes(server: EngineServer) -> list[Route]:
                 log.warning("%s is already sleeping at level %d; sleep(level=%d) ignored",
                             server.engine, lifecycle.level, level)
                 return Response(status_code=200)
+            if mode == "abort":
+                aborted = server.driver.abort_all()
+                if aborted:
+                    log.warning("%s aborted %d requests under way to sleep (mode=abort)", server.engine, aborted)
             await server.driver.drained()
             await asyncio.sleep(lifecycle.sleep_delay() / config.speedup)
             server.driver.reset()
@@ -60,14 +77,38 @@ def vllm_admin_routes(server: EngineServer) -> list[Route]:
         return Response(status_code=200)
 
     async def wake_up(request: Request) -> Response:
+        tags = request.query_params.getlist("tags")
         async with lock:
-            delay = _transition(lifecycle.begin_wake)
+            delay = _transition(lifecycle.begin_wake, frozenset(tags) if tags else None)
             if delay is None:
                 return Response(status_code=200)
             await asyncio.sleep(delay / config.speedup)
             lifecycle.awake()
-        log.info("%s awake", server.engine)
+        log.info("%s woke %s; %s", server.engine, ", ".join(tags) if tags else "every memory tag",
+                 "asleep still: " + ", ".join(sorted(lifecycle.sleeping_tags)) if lifecycle.sleeping_tags else "awake")
         return Response(status_code=200)
+
+    async def collective_rpc(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise bad_request(f"JSON decode error: {exc}") from None
+        method = body.get("method") if isinstance(body, dict) else None
+        if method is None:
+            raise bad_request("Missing 'method' in request body", param="method")
+        if method not in COLLECTIVE_RPC_METHODS:
+            raise bad_request(f"the simulated engine runs only {', '.join(COLLECTIVE_RPC_METHODS)} through "
+                              f"collective_rpc, not {method!r}", param="method")
+        async with lock:
+            delay = _transition(lifecycle.begin_reload)
+            loaded = False
+            try:
+                await asyncio.sleep(delay / config.speedup)
+                loaded = True
+            finally:
+                lifecycle.end_reload(loaded)
+        log.info("%s reloaded its weights", server.engine)
+        return JSONResponse({"results": [None]})  # reload_weights returns nothing, once per GPU worker
 
     async def is_sleeping(request: Request) -> Response:
         return JSONResponse({"is_sleeping": lifecycle.is_sleeping})
@@ -75,5 +116,6 @@ def vllm_admin_routes(server: EngineServer) -> list[Route]:
     return [
         Route("/sleep", sleep, methods=["POST"]),
         Route("/wake_up", wake_up, methods=["POST"]),
+        Route("/collective_rpc", collective_rpc, methods=["POST"]),
         Route("/is_sleeping", is_sleeping, methods=["GET"]),
     ]
