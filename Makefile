@@ -26,6 +26,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 			$(BIN)/pip wheel --no-deps --wheel-dir $(WHEELHOUSE) llama-cpp-python==$(LLAMA_CPP_VERSION); \
 	fi
 	$(BIN)/pip install --quiet --find-links $(WHEELHOUSE) -e '.[dev]'
+	@# llama.cpp's own llama-server, from the same llama.cpp source, once (about 10 minutes; cached beside the wheel)
+	$(BIN)/python -m services.engines.llama_server.binary
 	touch $@
 
 run: install

@@ -1,9 +1,12 @@
-"""Benchmark: the llama.cpp engine against llama-cpp-python's own server and the bare decode limit.
+"""Benchmark: the llama.cpp engine against llama.cpp's own C++ server, llama-cpp-python's server and the bare
+decode limit.
 
-All three run in this one invocation, on the same model and thread count:
+All run in this one invocation, on the same model, thread count and number of sequence slots:
 
+- llama-server: llama.cpp's own server (continuous batching over `--parallel` slots), built from the very
+  llama.cpp the binding vendors (`services/engines/llama_server/binary.py`): the peer people run in production;
 - stock: `python -m llama_cpp.server --interrupt_requests False` (llama-cpp-python's
-  server, told to queue concurrent requests instead of aborting the running stream);
+  server, told to queue concurrent requests instead of aborting the running stream; `--skip-stock` leaves it out);
 - limit: a bare loop of batched `llama_decode` calls with N sequences (one token
   each, greedy argmax, no HTTP, no scheduling; prefill untimed): the most any
   engine on this library reaches on this machine;
@@ -11,11 +14,14 @@ All three run in this one invocation, on the same model and thread count:
 
 Each level c in --concurrency runs c client streams, each sending --rounds
 chat requests back to back (greedy, --max-tokens output with end-of-generation
-suppressed by logit_bias so every answer has the same length). Reported:
-aggregate output tokens/s and client-side TTFT p50/p95. The last line printed
-is one JSON object.
+suppressed by logit_bias so every answer has the same length). With --slots 8,
+16 streams are twice what either server decodes at once: the overload level, where
+it shows who queues and who refuses. Reported: aggregate output tokens/s, client-side
+TTFT p50/p95/p99, refused or failed requests; each level measured --repeats times on
+every system back to back, the median run kept and the spread of the ratio to
+llama-server given. The last line printed is one JSON object.
 
-    .venv/bin/python bench/llamacpp_engine.py [--threads 2] [--concurrency 1,4,8,16]
+    .venv/bin/python bench/llamacpp_engine.py [--threads 2] [--slots 8] [--concurrency 1,4,8,16] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.engines.llama_server.binary import llama_server_binary  # noqa: E402
 from services.engines.llamacpp.llama_backend import LlamaModelConfig, LlamaBackend  # noqa: E402
 from services.engines.llamacpp.model_files import default_model_path  # noqa: E402
 from services.engines.llamacpp.scheduler import SeqWork  # noqa: E402
@@ -170,12 +177,17 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, i: int, ma
 async def load_level(url: str, model: str, c: int, rounds: int, max_tokens: int, eog_bias: dict[str, float]) -> dict[str, float]:
     ttfts: list[float] = []
     tokens = 0
+    failed = 0
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=c + 4)) as client:
 
         async def worker(w: int) -> None:
-            nonlocal tokens
+            nonlocal tokens, failed
             for r in range(rounds):
-                ttft, n = await one_stream(client, url, model, w * rounds + r, max_tokens, eog_bias)
+                try:
+                    ttft, n = await one_stream(client, url, model, w * rounds + r, max_tokens, eog_bias)
+                except RuntimeError:  # refused (a full queue) or failed: counted, not measured
+                    failed += 1
+                    continue
                 ttfts.append(ttft)
                 tokens += n
 
@@ -186,6 +198,8 @@ async def load_level(url: str, model: str, c: int, rounds: int, max_tokens: int,
         "tokens_per_s": tokens / wall,
         "ttft_p50_ms": percentile(ttfts, 0.5) * 1000,
         "ttft_p95_ms": percentile(ttfts, 0.95) * 1000,
+        "ttft_p99_ms": percentile(ttfts, 0.99) * 1000,
+        "failed": failed,
         "tokens": tokens,
         "wall_s": wall,
     }
@@ -196,29 +210,24 @@ def warm_up(url: str, model: str, eog_bias: dict[str, float]) -> None:
     asyncio.run(load_level(url, model, 1, 1, 8, eog_bias))
 
 
-def plot(path: Path, levels: list[int], ours: dict[int, dict[str, float]], stock: dict[int, dict[str, float]], limit: dict[int, float], title: str) -> None:
+def plot(path: Path, levels: list[int], systems: dict[str, dict[int, dict[str, float]]], limit: dict[int, float],
+         title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot(levels, [limit[c] for c in levels], "k--", label="limit: bare batched llama_decode")
-    ax1.plot(levels, [ours[c]["tokens_per_s"] for c in levels], "o-", label="modelpool engine llama.cpp")
-    if stock:
-        ax1.plot(levels, [stock[c]["tokens_per_s"] for c in levels], "s-", label="llama_cpp.server")
+    for (name, runs), marker in zip(systems.items(), "os^"):
+        ax1.plot(levels, [runs[c]["tokens_per_s"] for c in levels], f"{marker}-", label=name)
+        ax2.plot(levels, [runs[c]["ttft_p50_ms"] for c in levels], f"{marker}-", label=f"{name} p50")
+        ax2.plot(levels, [runs[c]["ttft_p99_ms"] for c in levels], f"{marker}:", label=f"{name} p99")
     ax1.set(xlabel="concurrent streams", ylabel="aggregate output tokens/s", xscale="log", xticks=levels, xticklabels=levels)
-    ax1.legend(fontsize=8)
-    ax2.plot(levels, [ours[c]["ttft_p50_ms"] for c in levels], "o-", label="ours p50")
-    ax2.plot(levels, [ours[c]["ttft_p95_ms"] for c in levels], "o:", label="ours p95")
-    if stock:
-        ax2.plot(levels, [stock[c]["ttft_p50_ms"] for c in levels], "s-", label="stock p50")
-        ax2.plot(levels, [stock[c]["ttft_p95_ms"] for c in levels], "s:", label="stock p95")
     ax2.set(xlabel="concurrent streams", ylabel="TTFT (ms)", xscale="log", yscale="log", xticks=levels, xticklabels=levels)
-    ax2.legend(fontsize=8)
-    from matplotlib.ticker import NullFormatter
-
     for ax in (ax1, ax2):
+        ax.legend(fontsize=7)
         ax.xaxis.set_minor_formatter(NullFormatter())
     fig.suptitle(title)
     fig.tight_layout()
@@ -240,106 +249,133 @@ def stock_available() -> str | None:
     return None
 
 
+OURS, SERVER, STOCK = "modelpool engine llama.cpp", "llama-server", "llama_cpp.server"
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    return sorted(runs, key=lambda run: run["tokens_per_s"])[len(runs) // 2]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--slots", type=int, default=8, help="sequences each server decodes at once (its default: 8)")
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="requests per client stream at each level")
-    ap.add_argument("--repeats", type=int, default=1, help="measure each level this many times and keep each system's best run (shared machines)")
+    ap.add_argument("--repeats", type=int, default=3, help="measure each level this many times; the median run is kept")
     ap.add_argument("--skip-stock", action="store_true")
     ap.add_argument("--logs", type=Path, default=Path("/tmp"), help="where server logs go")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG of tokens/s and TTFT against streams")
     args = ap.parse_args()
     model = args.model or default_model_path()
     levels = [int(x) for x in args.concurrency.split(",")]
-    n_seq = max(levels)
-    n_ctx = n_seq * 1024
+    slots, n_ctx = args.slots, args.slots * 1024
+    overload = 2 * slots
 
     backend = LlamaBackend(LlamaModelConfig(model, n_ctx=256, n_seq_max=1, threads=1))
     eog_bias = {str(t): -100.0 for t in range(backend.n_vocab) if backend.is_eog(t)}
     backend.close()
 
-    # Our engine and the bare loop share backend settings: one KV stream per sequence, n_seq_max
-    # large enough for the widest level.
-    ours_port = free_port()
-    ours_cmd = [
-        sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--model", str(model), "--port", str(ours_port),
-        "--threads", str(args.threads), "--n-seq-max", str(n_seq), "--n-ctx", str(n_ctx),
-        "--max-running", str(n_seq), "--max-batch-size", str(n_seq), "--model-alias", "bench", "--log-level", "warning",
-    ]
+    # Both continuous-batching servers decode `slots` sequences at once with `n_ctx / slots` tokens each,
+    # queueing the rest: one KV stream per sequence, as our engine keeps them.
+    commands: dict[str, tuple[list[str], str]] = {}
+    port = free_port()
+    commands[OURS] = ([
+        sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--model", str(model), "--port", str(port),
+        "--threads", str(args.threads), "--n-seq-max", str(slots), "--n-ctx", str(n_ctx),
+        "--max-running", str(slots), "--max-batch-size", str(slots), "--model-alias", "bench", "--log-level", "warning",
+    ], f"http://127.0.0.1:{port}")
+    port = free_port()
+    commands[SERVER] = ([
+        str(llama_server_binary()), "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
+        "--threads", str(args.threads), "--parallel", str(slots), "--ctx-size", str(n_ctx), "--cont-batching",
+        "--alias", "bench", "--no-webui",
+    ], f"http://127.0.0.1:{port}")
     problem = "skipped (--skip-stock)" if args.skip_stock else stock_available()
     if problem is not None:
         print(f"stock server not measured: {problem}", file=sys.stderr)
-    stock_port = free_port()
-    stock_cmd = [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(stock_port),
-        "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
-        "--interrupt_requests", "False", "--model_alias", "bench",
-    ]
+    else:
+        port = free_port()
+        commands[STOCK] = ([
+            sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
+            "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
+            "--interrupt_requests", "False", "--model_alias", "bench",
+        ], f"http://127.0.0.1:{port}")
 
-    # All three are up at once (idle servers cost no CPU) and each level is measured on all
-    # three back to back, so drifting background load biases no one system.
-    limit_loop = BareDecodeLimit(model, args.threads, n_seq, n_ctx)
-    procs = [start_server(ours_cmd, ours_port, args.logs / "bench_llamacpp_ours.log", "/health")]
-    ours_url, stock_url = f"http://127.0.0.1:{ours_port}", f"http://127.0.0.1:{stock_port}"
+    # All are up at once (idle servers cost no CPU) and each level is measured on every system
+    # back to back, so drifting background load biases no one system.
+    limit_loop = BareDecodeLimit(model, args.threads, max(levels), max(levels) * 1024)
+    procs = []
     limit: dict[int, float] = {}
-    ours: dict[int, dict[str, float]] = {}
-    stock: dict[int, dict[str, float]] = {}
+    results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in commands}
+    ratio_spread: dict[int, list[float]] = {}
     try:
-        if problem is None:
-            procs.append(start_server(stock_cmd, stock_port, args.logs / "bench_llamacpp_stock.log", "/v1/models"))
-            warm_up(stock_url, "bench", eog_bias)
-        warm_up(ours_url, "bench", eog_bias)
-        def best(runs: list[dict[str, float]]) -> dict[str, float]:
-            return max(runs, key=lambda run: run["tokens_per_s"])
-
+        for name, (cmd, url) in commands.items():
+            port_of = int(url.rsplit(":", 1)[1])
+            procs.append(start_server(cmd, port_of, args.logs / f"bench_llamacpp_{name.split()[-1]}.log",
+                                      "/v1/models" if name == STOCK else "/health"))
+            warm_up(url, "bench", eog_bias)
         for c in tqdm(levels, desc="concurrency levels"):
-            limit_runs, ours_runs, stock_runs = [], [], []
+            limit_runs: list[float] = []
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in commands}
             for _ in range(args.repeats):
                 limit_runs.append(limit_loop.measure(c, args.max_tokens, args.rounds))
-                ours_runs.append(asyncio.run(load_level(ours_url, "bench", c, args.rounds, args.max_tokens, eog_bias)))
-                if problem is None:
-                    stock_runs.append(asyncio.run(load_level(stock_url, "bench", c, args.rounds, args.max_tokens, eog_bias)))
-            limit[c] = max(limit_runs)
-            ours[c] = best(ours_runs)
-            if stock_runs:
-                stock[c] = best(stock_runs)
-            tqdm.write(
-                f"c={c}: limit {limit[c]:.1f} tok/s, ours {ours[c]['tokens_per_s']:.1f} tok/s"
-                + (f", stock {stock[c]['tokens_per_s']:.1f} tok/s" if c in stock else ""),
-                file=sys.stderr,
-            )
+                for name, (_, url) in commands.items():
+                    runs[name].append(asyncio.run(load_level(url, "bench", c, args.rounds, args.max_tokens, eog_bias)))
+            limit[c] = sorted(limit_runs)[len(limit_runs) // 2]
+            for name in commands:
+                results[name][c] = median_run(runs[name])
+            ratio_spread[c] = sorted(o["tokens_per_s"] / s["tokens_per_s"] for o, s in zip(runs[OURS], runs[SERVER]))
+            tqdm.write(f"c={c}: limit {limit[c]:.1f} tok/s, " + ", ".join(
+                f"{name} {results[name][c]['tokens_per_s']:.1f} tok/s" for name in commands), file=sys.stderr)
     finally:
         for proc in procs:
             stop_server(proc)
         limit_loop.close()
 
-    print(f"model {model.name}, threads {args.threads}, max_tokens {args.max_tokens}, rounds {args.rounds}, best of {args.repeats}")
-    print(f"{'streams':>7} | {'ours tok/s':>10} | {'stock tok/s':>11} | {'limit tok/s':>11} | {'ours/stock':>10} | {'ours/limit':>10} | {'ours TTFT p50/p95 ms':>20} | {'stock TTFT p50/p95 ms':>21}")
+    ours, server = results[OURS], results[SERVER]
+    print(f"model {model.name}, threads {args.threads}, {slots} slots each, max_tokens {args.max_tokens}, "
+          f"rounds {args.rounds}, median of {args.repeats}")
+    print("| streams | " + " | ".join(f"{n} tok/s" for n in commands) + " | limit tok/s | ours / llama-server (spread) | "
+          + " | ".join(f"{n} TTFT p50/p99 ms" for n in commands) + " | failed (ours / llama-server) |")
     for c in levels:
-        o, s, lim = ours[c], stock.get(c), limit[c]
-        st = f"{s['tokens_per_s']:11.1f}" if s else f"{'-':>11}"
-        ratio = f"{o['tokens_per_s'] / s['tokens_per_s']:10.2f}" if s else f"{'-':>10}"
-        sttft = f"{s['ttft_p50_ms']:9.0f} / {s['ttft_p95_ms']:9.0f}" if s else f"{'-':>21}"
-        print(f"{c:>7} | {o['tokens_per_s']:10.1f} | {st} | {lim:11.1f} | {ratio} | {o['tokens_per_s'] / lim:10.2f} | {o['ttft_p50_ms']:8.0f} / {o['ttft_p95_ms']:9.0f} | {sttft}")
+        spread = ratio_spread[c]
+        print(f"| {c} | " + " | ".join(f"{results[n][c]['tokens_per_s']:.1f}" for n in commands)
+              + f" | {limit[c]:.1f} | {ours[c]['tokens_per_s'] / server[c]['tokens_per_s']:.2f} "
+              f"({spread[0]:.2f}–{spread[-1]:.2f}) | "
+              + " | ".join(f"{results[n][c]['ttft_p50_ms']:.0f} / {results[n][c]['ttft_p99_ms']:.0f}" for n in commands)
+              + f" | {ours[c]['failed']} / {server[c]['failed']} |")
 
     if args.plot is not None:
-        plot(args.plot, levels, ours, stock, limit, f"{model.name}, {args.threads} threads, {args.max_tokens} tokens/answer")
+        plot(args.plot, levels, results, limit,
+             f"{model.name}, {args.threads} threads, {slots} slots, {args.max_tokens} tokens/answer")
 
     def r(x: float | None, nd: int = 3) -> float | None:
         return None if x is None else round(x, nd)
 
+    def ratio(c: int) -> float | None:
+        return r(ours[c]["tokens_per_s"] / server[c]["tokens_per_s"]) if c in ours and c in server else None
+
+    stock = results.get(STOCK, {})
     result = {
-        "ratio_tokens_per_s_c1": r(ours[1]["tokens_per_s"] / stock[1]["tokens_per_s"]) if 1 in stock and 1 in ours else None,
-        "ratio_tokens_per_s_c8": r(ours[8]["tokens_per_s"] / stock[8]["tokens_per_s"]) if 8 in stock and 8 in ours else None,
+        "slots": slots,
+        "llama_server_tokens_per_s_c8": r(server[8]["tokens_per_s"], 1) if 8 in server else None,
+        "ratio_vs_llama_server_c1": ratio(1),
+        "ratio_vs_llama_server_c8": ratio(8),
+        "ratio_vs_llama_server_c16": ratio(16),
+        "ratio_vs_llama_server_c8_spread": [r(x) for x in (ratio_spread[8][0], ratio_spread[8][-1])] if 8 in ratio_spread else None,
+        "ours_ttft_p50_ms_c8": r(ours[8]["ttft_p50_ms"], 1) if 8 in ours else None,
+        "llama_server_ttft_p50_ms_c8": r(server[8]["ttft_p50_ms"], 1) if 8 in server else None,
+        "ours_ttft_p99_ms_overload": r(ours[overload]["ttft_p99_ms"], 1) if overload in ours else None,
+        "llama_server_ttft_p99_ms_overload": r(server[overload]["ttft_p99_ms"], 1) if overload in server else None,
+        "failed_overload": [ours[overload]["failed"], server[overload]["failed"]] if overload in ours else None,
+        "ratio_tokens_per_s_c1": r(ours[1]["tokens_per_s"] / stock[1]["tokens_per_s"]) if 1 in stock else None,
+        "ratio_tokens_per_s_c8": r(ours[8]["tokens_per_s"] / stock[8]["tokens_per_s"]) if 8 in stock else None,
         "efficiency_c8": r(ours[8]["tokens_per_s"] / limit[8]) if 8 in ours else None,
         "ours_tokens_per_s_c8": r(ours[8]["tokens_per_s"], 1) if 8 in ours else None,
-        "stock_tokens_per_s_c8": r(stock[8]["tokens_per_s"], 1) if 8 in stock else None,
         "limit_tokens_per_s_c8": r(limit.get(8), 1),
-        "ours_ttft_p50_ms_c8": r(ours[8]["ttft_p50_ms"], 1) if 8 in ours else None,
-        "stock_ttft_p50_ms_c8": r(stock[8]["ttft_p50_ms"], 1) if 8 in stock else None,
     }
     print(json.dumps(result))
     return 0

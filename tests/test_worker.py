@@ -312,6 +312,24 @@ async def test_status_of_the_real_llamacpp_engine_counts_its_sequence_slots(make
     assert status.ttft_p95_s is not None and status.ttft_p95_s > 0 and status.e2e_p95_s is None
 
 
+async def test_status_of_the_real_llama_server_counts_its_slots_from_its_own_api(make_worker):
+    """llama.cpp's C++ server, as the worker runs it: capacity from `/slots`, load from its `llamacpp:` metrics."""
+    worker = await make_worker(llama_threads=1)
+    spec = start("s1", F, engine=EngineKind.LLAMA_SERVER, model_path="default")
+    await running(worker, spec.model_copy(update={"engine_args": {"parallel": 3, "ctx-size": 3072}}), timeout=120)
+    inst = worker.instances["s1"]
+    assert inst.process is not None and inst.process.internal_endpoint is None  # no KV export or import: a moved session recomputes
+    async with httpx.AsyncClient(base_url=inst.endpoint, timeout=60) as client:
+        answer = await client.post("/v1/chat/completions", json={
+            "model": "qwen3-vl-2b", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8})
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0
+
+    status = await worker.status_of(inst)
+    assert (status.status, status.engine, status.capacity, status.healthy) == (S.RUNNING, EngineKind.LLAMA_SERVER, 3, True)
+    assert status.inflight_requests == 0 and status.last_active_at is not None
+    assert status.ttft_p95_s is None  # llama-server keeps no latency histograms
+
+
 async def test_heartbeats_reach_the_bucket_with_every_instance(make_worker, bus, monkeypatch):
     worker = await make_worker()
     telemetry_bus = TelemetryBus(bus.nc, bus.js, bus.subjects)

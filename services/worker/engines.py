@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from services.engines.llama_server.binary import LlamaServerMissing, llama_server_binary
+from services.engines.llamacpp.model_files import default_model_path
 from services.processes import processes_with_marker, spawn_async
 from services.worker.status import METRIC_NAMES, EngineStatus, Scrape, StatusTracker, parse_scrape
 from shared.contracts.backends import BackendType, EngineKind
@@ -81,8 +83,14 @@ def engine_argv(spec: StartInstance, port: int, options: EngineOptions,
     return argv + engine_flags(spec.engine_args), env
 
 
+def safe_name(instance_id: str) -> str:
+    """`instance_id` as a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", instance_id)
+
+
 def has_internal_port(engine: EngineKind) -> bool:
-    """Whether the engine serves KV export and import (vLLM has no such API: a moved session recomputes)."""
+    """Whether the engine serves KV export and import (vLLM and llama-server have no such API: a moved
+    session recomputes)."""
     return engine in (EngineKind.LLAMA_CPP, EngineKind.SIMULATOR)
 
 
@@ -117,6 +125,8 @@ def _base_argv(spec: StartInstance, port: int, options: EngineOptions) -> tuple[
         if options.llama_threads:
             argv += ["--threads", str(options.llama_threads)]
         return argv, env
+    if spec.engine is EngineKind.LLAMA_SERVER:
+        return llama_server_argv(spec, port, options), env
     # The real vLLM server. Its sleep endpoints are only mounted in dev mode.
     env["VLLM_SERVER_DEV_MODE"] = "1"
     argv = [options.vllm_binary, "serve", spec.model_path, "--host", options.host, "--port", str(port),
@@ -127,6 +137,32 @@ def _base_argv(spec: StartInstance, port: int, options: EngineOptions) -> tuple[
     if options.gpu_memory_per_gpu_gb and "gpu-memory-utilization" not in spec.engine_args:
         argv += ["--gpu-memory-utilization", f"{gpu_memory_utilization(spec, options.gpu_memory_per_gpu_gb):.4f}"]
     return argv, env
+
+
+LLAMA_SERVER_DEFAULTS: dict[str, str | int | float | bool] = {"parallel": 8, "ctx-size": 16384}
+"""As modelpool's own engine runs by default: 8 sequence slots of 2048 tokens each. The alias's `engine_args`
+override them (`{parallel: 4}`)."""
+
+
+def llama_server_argv(spec: StartInstance, port: int, options: EngineOptions) -> list[str]:
+    """llama.cpp's C++ server: continuous batching over `--parallel` slots, its Prometheus `/metrics` and
+    `/slots` on, slots saved to and restored from the instance's own directory."""
+    model = spec.model_path if spec.model_path and spec.model_path != "default" else str(default_model_path())
+    try:
+        binary = llama_server_binary()
+    except LlamaServerMissing as exc:
+        raise EngineError(str(exc)) from None
+    argv = [str(binary), "--model", model, "--host", options.host, "--port", str(port),
+            "--alias", spec.alias, "--cont-batching", "--metrics", "--slots", "--no-webui",
+            "--slot-save-path", str(slot_dir(spec, options))]
+    if options.llama_threads:
+        argv += ["--threads", str(options.llama_threads)]
+    return argv + engine_flags({k: v for k, v in LLAMA_SERVER_DEFAULTS.items() if k not in spec.engine_args})
+
+
+def slot_dir(spec: StartInstance, options: EngineOptions) -> Path:
+    """Where a llama-server instance saves and restores its slots (created before it starts: it must exist)."""
+    return options.log_dir / f"{safe_name(spec.instance_id)}.slots"
 
 
 def gpu_memory_utilization(spec: StartInstance, per_gpu_gb: float) -> float:
@@ -374,9 +410,11 @@ class EngineLauncher:
         internal_port = internal[0] if internal else None
         argv, extra_env = engine_argv(spec, port, self.options, internal_port)
         log.info("starting %s engine for %s: %s", spec.engine.value, spec.instance_id, " ".join(argv))
-        log_path = self.options.log_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', spec.instance_id)}.log"
+        log_path = self.options.log_dir / f"{safe_name(spec.instance_id)}.log"
         try:
             self.options.log_dir.mkdir(parents=True, exist_ok=True)
+            if spec.engine is EngineKind.LLAMA_SERVER:
+                slot_dir(spec, self.options).mkdir(exist_ok=True)
             with open(log_path, "ab") as log_file:
                 log_file.write(f"--- {datetime.now(timezone.utc).isoformat()} modelpool worker: {' '.join(argv)}\n".encode())
                 log_file.flush()

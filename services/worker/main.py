@@ -13,6 +13,7 @@ from pathlib import Path
 from nats.js import JetStreamContext
 
 from services.runtime import ServiceContext, run_service
+from services.engines.llama_server import binary as llama_server
 from services.worker.engines import EngineLauncher, EngineOptions, default_log_dir, kill_leftover_engines
 from services.worker.gpus import gpus
 from services.worker.service import Worker
@@ -33,6 +34,8 @@ def available_engines() -> list[EngineKind]:
     engines = [EngineKind.SIMULATOR]
     if importlib.util.find_spec("llama_cpp") is not None:
         engines.append(EngineKind.LLAMA_CPP)
+    if llama_server.available():
+        engines.append(EngineKind.LLAMA_SERVER)
     if shutil.which("vllm") is not None:
         engines.append(EngineKind.VLLM)
     return engines

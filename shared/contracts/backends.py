@@ -31,12 +31,22 @@ class Role(str, Enum):
 
 class EngineKind(str, Enum):
     LLAMA_CPP = "llama.cpp"
+    """modelpool's own engine over llama-cpp-python (continuous batching, KV export and import)."""
+    LLAMA_SERVER = "llama-server"
+    """llama.cpp's own C++ server, built from the same llama.cpp."""
     VLLM = "vllm"
     SIMULATOR = "simulator"
 
     @property
     def simulated(self) -> bool:
         return self is EngineKind.SIMULATOR
+
+
+ENGINES: dict[BackendType, frozenset[EngineKind]] = {
+    BackendType.LLAMA_CPP: frozenset({EngineKind.LLAMA_CPP, EngineKind.LLAMA_SERVER, EngineKind.SIMULATOR}),
+    BackendType.VLLM: frozenset({EngineKind.VLLM, EngineKind.SIMULATOR}),
+}
+"""The engines that can run each backend: they speak its engines' API (metrics, `/slots` or sleep mode)."""
 
 
 def engine_label(engine: EngineKind, backend: BackendType) -> str:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.contracts.backends import BackendType, EngineKind
+from shared.contracts.backends import ENGINES, BackendType, EngineKind
 from shared.contracts.policies import LEGACY_HYBRID, AutoscalingPolicy, HybridPolicyConfig
 from shared.contracts.states import RoutingState
 
@@ -160,6 +160,10 @@ class AliasConfig(BaseModel):
     def _not_empty(cls, backends: dict[BackendType, BackendConfig]) -> dict[BackendType, BackendConfig]:
         if not backends:
             raise ValueError("at least one backend is required")
+        for backend, config in backends.items():
+            if config.engine is not None and config.engine not in ENGINES[backend]:
+                runs = ", ".join(sorted(e.value for e in ENGINES[backend]))
+                raise ValueError(f"engine {config.engine.value} cannot run the {backend.value} backend (it runs: {runs})")
         return backends
 
     @model_validator(mode="after")
