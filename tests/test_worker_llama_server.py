@@ -28,14 +28,19 @@ def flag(argv: list[str], name: str) -> str | None:
 
 def test_llama_server_runs_like_modelpools_engine_unless_the_alias_says_otherwise(tmp_path: Path) -> None:
     options = EngineOptions(log_dir=tmp_path, host="10.0.0.7", llama_threads=2)
-    argv, env = engine_argv(llama_server_start(), 8081, options, internal_port=9999)
+    argv, env = engine_argv(llama_server_start(), 8081, options)
     assert argv[0] == str(cached_binary()) and env == {}
     assert (flag(argv, "--model"), flag(argv, "--host"), flag(argv, "--port"), flag(argv, "--alias")) == (
         "/models/smol.gguf", "10.0.0.7", "8081", "smol")
     assert {"--cont-batching", "--metrics", "--slots"} <= set(argv)
     assert (flag(argv, "--parallel"), flag(argv, "--ctx-size"), flag(argv, "--threads")) == ("8", "16384", "2")
     assert flag(argv, "--slot-save-path") == str(tmp_path / "smol_fast-1.slots")  # the instance's own directory
-    assert "--internal-port" not in argv  # llama-server has no KV export or import
+
+    # With an internal port, the server runs under modelpool's KV port, its own arguments after `--`.
+    wrapped, _ = engine_argv(llama_server_start(), 8081, options, internal_port=9999)
+    assert wrapped[3:5] == ["engine", "llama-server"] and flag(wrapped, "--binary") == str(cached_binary())
+    assert (flag(wrapped, "--internal-host"), flag(wrapped, "--internal-port")) == ("10.0.0.7", "9999")
+    assert wrapped[wrapped.index("--") + 1:] == argv[1:]
 
     argv, _ = engine_argv(llama_server_start(parallel=4, **{"ctx-size": 4096}), 8081, options)
     assert argv.count("--parallel") == 1 and (flag(argv, "--parallel"), flag(argv, "--ctx-size")) == ("4", "4096")

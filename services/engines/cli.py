@@ -7,6 +7,7 @@ import sys
 
 ENGINES: dict[str, str] = {
     "llama.cpp": "services.engines.llamacpp.cli",
+    "llama-server": "services.engines.llama_server.cli",
     "sim": "services.engines.simulated.cli",
 }
 

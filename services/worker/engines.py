@@ -79,8 +79,15 @@ def engine_argv(spec: StartInstance, port: int, options: EngineOptions,
     """
     argv, env = _base_argv(spec, port, options)
     if internal_port is not None and has_internal_port(spec.engine):
-        argv += ["--internal-host", options.host, "--internal-port", str(internal_port)]
+        internal = ["--internal-host", options.host, "--internal-port", str(internal_port)]
+        if spec.engine is EngineKind.LLAMA_SERVER:  # the C++ server under modelpool's KV port (its child)
+            argv = [*MODELPOOL_ENGINE, "llama-server", "--binary", argv[0], *internal, "--", *argv[1:]]
+        else:
+            argv += internal
     return argv + engine_flags(spec.engine_args), env
+
+
+MODELPOOL_ENGINE = (sys.executable, "-m", "services.cli", "engine")
 
 
 def safe_name(instance_id: str) -> str:
@@ -89,9 +96,9 @@ def safe_name(instance_id: str) -> str:
 
 
 def has_internal_port(engine: EngineKind) -> bool:
-    """Whether the engine serves KV export and import (vLLM and llama-server have no such API: a moved
-    session recomputes)."""
-    return engine in (EngineKind.LLAMA_CPP, EngineKind.SIMULATOR)
+    """Whether the engine serves KV export and import (llama-server through its slot files; vLLM has no such
+    API: a moved session recomputes)."""
+    return engine in (EngineKind.LLAMA_CPP, EngineKind.LLAMA_SERVER, EngineKind.SIMULATOR)
 
 
 def engine_flags(args: dict[str, str | int | float | bool]) -> list[str]:
@@ -108,7 +115,7 @@ def engine_flags(args: dict[str, str | int | float | bool]) -> list[str]:
 
 def _base_argv(spec: StartInstance, port: int, options: EngineOptions) -> tuple[list[str], dict[str, str]]:
     env: dict[str, str] = {}
-    modelpool = [sys.executable, "-m", "services.cli", "engine"]
+    modelpool = list(MODELPOOL_ENGINE)
     if spec.engine is EngineKind.SIMULATOR:
         argv = modelpool + ["sim", "--profile", spec.backend_type.value, "--host", options.host, "--port", str(port),
                             "--model", spec.alias, "--speedup", str(options.sim_speedup)]

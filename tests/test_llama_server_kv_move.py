@@ -1,0 +1,120 @@
+"""A session's KV moved between two real llama-server instances over modelpool's KV port (their slot files):
+the next turn on the target reuses the moved prefix instead of computing it, and hostile frames are refused
+while the server keeps serving."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.engines.llama_server.binary import llama_server_binary
+from services.engines.llamacpp.model_files import default_model_path
+from shared import kv_frames
+from shared.net import free_ports
+
+pytestmark = [pytest.mark.processes, pytest.mark.model]
+
+
+class Server:
+    def __init__(self, tmp: Path, name: str) -> None:
+        port, internal = free_ports(2, "127.0.0.1")
+        self.url, self.internal = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{internal}"
+        slots = tmp / f"{name}.slots"
+        slots.mkdir()
+        self.log = (tmp / f"{name}.log").open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "engine", "llama-server", "--binary", str(llama_server_binary()),
+             "--internal-port", str(internal), "--", "--model", str(default_model_path()), "--host", "127.0.0.1",
+             "--port", str(port), "--alias", "smol", "--parallel", "2", "--ctx-size", "4096", "--threads", "1",
+             "--no-webui", "--slot-save-path", str(slots)],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health").status_code == 200 and httpx.get(f"{self.internal}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert self.process.poll() is None, f"{name} exited with {self.process.returncode}"
+            time.sleep(0.2)
+        raise AssertionError(f"{name} did not come up")
+
+    def stop(self) -> int:
+        self.process.terminate()
+        code = self.process.wait(timeout=20)
+        self.log.close()
+        return code
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[list[Server]]:
+    started: list[Server] = []
+
+    def start(name: str) -> Server:
+        started.append(Server(tmp_path, name))
+        return started[-1]
+
+    yield start  # type: ignore[misc]
+    for server in started:
+        if server.process.poll() is None:
+            os.killpg(server.process.pid, 9)
+
+
+def chat(url: str, messages: list[dict[str, str]]) -> dict:
+    answer = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": "smol", "messages": messages, "max_tokens": 12, "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_a_session_moved_between_llama_servers_answers_its_next_turn_from_the_moved_kv(servers) -> None:
+    source, target, control = servers("source"), servers("target"), servers("control")
+    history = [{"role": "system", "content": "You are a careful assistant who explains geography to students. " * 4},
+               {"role": "user", "content": "Name three rivers in Europe."}]
+    first = chat(source.url, history)
+    turn2 = [*history, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "Which of them is the longest?"}]
+    request = {"endpoint": "/v1/chat/completions", "request": {"model": "smol", "messages": turn2}}
+
+    exported = httpx.post(f"{source.internal}/kv/export", json=request, timeout=30)
+    assert exported.status_code == 200, exported.text
+    header, blob = kv_frames.decode(exported.content, engine="llama-server", model=header_model(exported.content))
+    assert header["n_tokens"] > 60 and header["bytes"] == len(blob) > 0
+    imported = httpx.post(f"{target.internal}/kv/import", content=exported.content,
+                          headers={"content-type": kv_frames.MEDIA_TYPE}, timeout=30)
+    assert imported.status_code == 200, imported.text
+    assert imported.json()["n_tokens"] == header["n_tokens"]
+
+    moved, fresh = chat(target.url, turn2), chat(control.url, turn2)
+    assert moved["timings"]["cache_n"] >= 60  # the moved prefix, not computed again
+    assert fresh["timings"]["cache_n"] == 0
+    # Greedy from the moved KV says what the recomputed one says (to the last few tokens: a prefix computed
+    # in another batch shape differs in the last bits, which can move where the answer stops).
+    said, recomputed = moved["choices"][0]["message"]["content"], fresh["choices"][0]["message"]["content"]
+    assert said[:24] == recomputed[:24], (said, recomputed)
+
+    # Nothing to offer for an unrelated prompt; hostile or foreign frames are refused and the server serves on.
+    other = {"endpoint": "/v1/chat/completions", "request": {"messages": [{"role": "user", "content": "Hi?"}]}}
+    assert httpx.post(f"{target.internal}/kv/export", json=other).json()["error"]["code"] == "no_cached_prefix"
+    for frame, status in ((b"\x00\x00\x00\x05{}", 400), (exported.content[:40], 400),
+                          (kv_frames.encode({"engine": "llama.cpp", "model": "x", "n_tokens": 3}, b"abc"), 409),
+                          (kv_frames.encode({**header, "format": None} | {"engine": "llama-server"}, b"qsgg"), 400)):
+        refused = httpx.post(f"{target.internal}/kv/import", content=frame)
+        assert refused.status_code == status, refused.text
+    assert chat(target.url, history)["choices"][0]["message"]["content"]
+    assert source.stop() == 0 and target.stop() == 0  # a SIGTERM ends the server and its KV port cleanly
+
+
+def header_model(frame: bytes) -> str:
+    import json
+    import struct
+
+    (n,) = struct.unpack_from(">I", frame)
+    return json.loads(frame[4 : 4 + n])["model"]
