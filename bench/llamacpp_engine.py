@@ -185,8 +185,9 @@ async def load_level(url: str, model: str, c: int, rounds: int, max_tokens: int,
             for r in range(rounds):
                 try:
                     ttft, n = await one_stream(client, url, model, w * rounds + r, max_tokens, eog_bias)
-                except RuntimeError:  # refused (a full queue) or failed: counted, not measured
+                except (RuntimeError, httpx.HTTPError) as exc:  # refused (a full queue) or failed: counted
                     failed += 1
+                    print(f"{url}: request failed: {exc!r}", file=sys.stderr)
                     continue
                 ttfts.append(ttft)
                 tokens += n

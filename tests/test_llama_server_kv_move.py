@@ -5,6 +5,7 @@ while the server keeps serving."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import pytest
 
 from services.engines.llama_server.binary import llama_server_binary
 from services.engines.llamacpp.model_files import default_model_path
+from services.processes import descendants_of
 from shared import kv_frames
 from shared.net import free_ports
 
@@ -118,3 +120,23 @@ def header_model(frame: bytes) -> str:
 
     (n,) = struct.unpack_from(">I", frame)
     return json.loads(frame[4 : 4 + n])["model"]
+
+
+def test_the_server_does_not_outlive_its_kv_port(servers) -> None:
+    """The worker stops the whole process group; should the KV port's process die alone, its server goes too."""
+    server = servers("orphan")
+    (child,) = descendants_of(server.process.pid)
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.process.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and pid_alive(child):
+        time.sleep(0.1)
+    assert not pid_alive(child), "llama-server outlived the process that started it"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from services.engines.llama_server.kv_port import LlamaServerKV, build_kv_app
+from services.processes import tied_to_us
 
 
 def engine_option(args: list[str], *names: str, default: str | None = None) -> str | None:
@@ -50,7 +52,9 @@ async def serve(binary: str, engine_args: list[str], internal_host: str, interna
                                           log_level="warning", access_log=False, lifespan="on"))
     # Signals are the child's to act on (its exit ends this process): uvicorn must not take them.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-    child = await asyncio.create_subprocess_exec(binary, *engine_args)
+    # In this process's group (the worker stops or kills the group), and ended if this process dies first.
+    child = await asyncio.create_subprocess_exec(binary, *engine_args,
+                                                 preexec_fn=tied_to_us(None, signal.SIGTERM, os.getpid()))
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, child.terminate)
     loop.add_signal_handler(signal.SIGINT, child.terminate)
