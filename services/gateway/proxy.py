@@ -29,6 +29,7 @@ from services.gateway.meter import outcome_of
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import Router, Slot
 from services.gateway.sse import EventScanner, usage_of_body
+from shared.contracts.backends import EngineKind
 from shared.contracts.config import GatewayConfig
 from shared.metering import RequestOutcome
 from shared.openai_protocol import ENGINE_HEADER, SSE_DONE, APIError, service_unavailable
@@ -136,7 +137,7 @@ class Proxy:
         """Post `payload` to `slot`'s instance; the response and what is read of it before anything is relayed:
         a stream's first events (within the first-byte timeout), else the whole answer."""
         url = f"{slot.instance.endpoint}{ctx.path}"
-        headers = self._upstream_headers(ctx)
+        headers = self._upstream_headers(ctx, slot)
         # Ended at once if the log gives the instance up meanwhile (`Slot.withdraw`): sent elsewhere.
         async with asyncio.timeout(self.config.first_byte_timeout_s if ctx.stream else None) as deadline:
             slot.watch(deadline)
@@ -156,10 +157,15 @@ class Proxy:
             raise aiohttp.ServerDisconnectedError("the stream ended before its first event")
         return response, head
 
-    def _upstream_headers(self, ctx: RequestContext) -> dict[str, str]:
+    def _upstream_headers(self, ctx: RequestContext, slot: Slot) -> dict[str, str]:
         headers = {"content-type": "application/json",
                    # Uncompressed, so the bytes relayed as they come are the bytes the client can read.
                    "accept-encoding": "identity", REQUEST_ID_HEADER: ctx.request_id}
+        if slot.instance.engine is EngineKind.LLAMA_SERVER:
+            # llama-server's HTTP server, with more connections than threads, closes kept-alive ones without
+            # answering the next request on them: a new connection per request to it (a loopback or LAN
+            # handshake, nothing next to a generation).
+            headers["connection"] = "close"
         if self.telemetry.tracing:
             self.telemetry.inject(headers)  # traceparent: the engine's spans join the request's trace
         return headers

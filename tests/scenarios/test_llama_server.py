@@ -1,5 +1,6 @@
 """llama.cpp's own `llama-server` as the fast tier's engine, on the real binary and model, through the whole pool:
-a cold wave held and answered (streams included), and a client that goes away stops its generation."""
+a cold wave held and answered (streams included), bursts past its HTTP threads answered, and a client that goes
+away stops its generation."""
 
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ async def test_llama_server_serves_a_cold_wave_and_stops_generating_for_a_client
             "model": "smol", "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi."}]})
         assert response.status_code == 200 and response.headers["x-modelpool-engine"] == "llama-server"
         assert response.json()["choices"][0]["message"]["content"]
+
+        # More streams than the server has HTTP threads, twice over (connections reused): every one answered.
+        burst = Requests()
+        for _ in range(2):
+            await asyncio.gather(*(one(client, "smol", burst, stream=True, max_tokens=8) for _ in range(16)))
+        assert (burst.sent, burst.answered) == (32, 32), burst
 
         (running,) = [e for e in await store.history("smol")
                       if e.type == "InstanceStateChanged" and e.payload["to_state"] == "RUNNING"]
