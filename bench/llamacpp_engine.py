@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -64,8 +65,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def messages(i: int) -> list[dict[str, str]]:
-    return [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}."}]
+def messages(i: int, tag: str = "") -> list[dict[str, str]]:
+    """Request `i`'s prompt; with a `tag` (unique per request) leading the user's words, no two prompts share more
+    than the chat template's opening, so no engine's prompt cache answers one from another."""
+    return [{"role": "user", "content": f"{tag}Write a short story about {TOPICS[i % len(TOPICS)]}."}]
 
 
 # --------------------------------------------------------------------------- limit
@@ -147,10 +150,11 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int, eog_bias: dict[str, float]) -> tuple[float, int]:
+async def one_stream(client: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int,
+                     eog_bias: dict[str, float], unique: bool) -> tuple[float, int]:
     body = {
         "model": model,
-        "messages": messages(i),
+        "messages": messages(i, f"[{uuid.uuid4().hex[:8]}] " if unique else ""),
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -174,7 +178,8 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, i: int, ma
     return (ttft if ttft is not None else float("nan")), n
 
 
-async def load_level(url: str, model: str, c: int, rounds: int, max_tokens: int, eog_bias: dict[str, float]) -> dict[str, float]:
+async def load_level(url: str, model: str, c: int, rounds: int, max_tokens: int, eog_bias: dict[str, float],
+                     unique: bool = False) -> dict[str, float]:
     ttfts: list[float] = []
     tokens = 0
     failed = 0
@@ -184,7 +189,7 @@ async def load_level(url: str, model: str, c: int, rounds: int, max_tokens: int,
             nonlocal tokens, failed
             for r in range(rounds):
                 try:
-                    ttft, n = await one_stream(client, url, model, w * rounds + r, max_tokens, eog_bias)
+                    ttft, n = await one_stream(client, url, model, w * rounds + r, max_tokens, eog_bias, unique)
                 except (RuntimeError, httpx.HTTPError) as exc:  # refused (a full queue) or failed: counted
                     failed += 1
                     print(f"{url}: request failed: {exc!r}", file=sys.stderr)
@@ -266,6 +271,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="requests per client stream at each level")
     ap.add_argument("--repeats", type=int, default=3, help="measure each level this many times; the median run is kept")
+    ap.add_argument("--prompts", choices=("repeated", "unique"), default="repeated",
+                    help="repeated: 16 prompts over and over (prompt caches answer them); unique: each request's "
+                         "own (only the chat template's opening is shared)")
     ap.add_argument("--skip-stock", action="store_true")
     ap.add_argument("--logs", type=Path, default=Path("/tmp"), help="where server logs go")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG of tokens/s and TTFT against streams")
@@ -324,7 +332,8 @@ def main() -> int:
             for _ in range(args.repeats):
                 limit_runs.append(limit_loop.measure(c, args.max_tokens, args.rounds))
                 for name, (_, url) in commands.items():
-                    runs[name].append(asyncio.run(load_level(url, "bench", c, args.rounds, args.max_tokens, eog_bias)))
+                    runs[name].append(asyncio.run(load_level(url, "bench", c, args.rounds, args.max_tokens, eog_bias,
+                                                             args.prompts == "unique")))
             limit[c] = sorted(limit_runs)[len(limit_runs) // 2]
             for name in commands:
                 results[name][c] = median_run(runs[name])
@@ -338,7 +347,7 @@ def main() -> int:
 
     ours, server = results[OURS], results[SERVER]
     print(f"model {model.name}, threads {args.threads}, {slots} slots each, max_tokens {args.max_tokens}, "
-          f"rounds {args.rounds}, median of {args.repeats}")
+          f"rounds {args.rounds}, {args.prompts} prompts, median of {args.repeats}")
     print("| streams | " + " | ".join(f"{n} tok/s" for n in commands) + " | limit tok/s | ours / llama-server (spread) | "
           + " | ".join(f"{n} TTFT p50/p99 ms" for n in commands) + " | failed (ours / llama-server) |")
     for c in levels:
@@ -362,6 +371,7 @@ def main() -> int:
     stock = results.get(STOCK, {})
     result = {
         "slots": slots,
+        "prompts": args.prompts,
         "llama_server_tokens_per_s_c8": r(server[8]["tokens_per_s"], 1) if 8 in server else None,
         "ratio_vs_llama_server_c1": ratio(1),
         "ratio_vs_llama_server_c8": ratio(8),
