@@ -4,8 +4,9 @@ One `EngineProcess` per instance: the real llama.cpp engine, the real
 `vllm serve` (sleep mode on), or the simulator standing in for either. Control
 goes through each engine's documented HTTP API — `/health`, `/metrics`,
 `/v1/models`, llama.cpp's `/slots`, and vLLM's sleep mode (`EngineProcess.sleep`,
-`wake`) — so the worker drives a simulated vLLM exactly as it would drive a real one. Each engine's stdout and stderr go to a log file of its
-instance, whose last lines say why an engine died.
+`wake`) — so the worker drives a simulated vLLM exactly as it would drive a real
+one. Each engine's stdout and stderr go to a log file of its instance, whose
+last lines say why an engine died.
 """
 
 from __future__ import annotations
