@@ -32,8 +32,9 @@ async def test_the_lab_takes_the_pools_path_at_the_pools_times_with_its_latencie
     # Measured on 2026-11-26 (five runs, this version and the one before it, 7b55864, alternating): every switch
     # within 2.7 s of the pool's (the pool's vLLM starts a process before its modelled 6 s), e2e p50 within 0.058 of
     # the pool's, p90 within 0.30 (the pool is real processes sharing two cores with the test; the lab is virtual
-    # time), hence these margins.
+    # time), hence these margins. Later the same day, p90 was 0.25 off run alone and 0.43 off inside the whole
+    # suite (the pool's tail slower, the lab's unchanged): the p90 margin covers the suite's load too.
     assert all(abs(s["gap_s"]) <= 3.5 for s in result["switches"]), result["switches"]
-    for q, margin in (("p50", 0.15), ("p90", 0.4)):
+    for q, margin in (("p50", 0.15), ("p90", 0.5)):
         e2e = result["e2e"][q]
         assert abs(e2e["lab"] / e2e["pool"] - 1) < margin, result["e2e"]
