@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from opentelemetry.trace import SpanKind
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shared.openai_protocol import ENGINE_HEADER
+from shared.openai_protocol import ENGINE_HEADER, APIError
 from shared.telemetry import Telemetry
 
 TRACE_HEADERS = (b"traceparent", b"tracestate")
 
 RAW_SEND_KEY = "modelpool.raw_send"
 """Scope key of the server's own `send`, for streams that write body chunks past the wrappers."""
+
+
+def error_response(err: APIError) -> JSONResponse:
+    """An engine's OpenAI-style error answer."""
+    return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
 
 
 class EngineHeader:

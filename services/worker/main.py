@@ -12,8 +12,8 @@ from pathlib import Path
 
 from nats.js import JetStreamContext
 
-from services.runtime import ServiceContext, run_service
 from services.engines.llama_server import binary as llama_server
+from services.runtime import ServiceContext, run_service
 from services.worker.engines import EngineLauncher, EngineOptions, default_log_dir, kill_leftover_engines
 from services.worker.gpus import gpus
 from services.worker.service import Worker

@@ -33,7 +33,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from services.engines.llamacpp.kv_cache import common_prefix_len
 from shared import kv_frames
+from shared.engine_asgi import error_response
 from shared.openai_protocol import APIError, bad_request, service_unavailable
 
 ENGINE_NAME = "llama-server"
@@ -55,15 +57,6 @@ def slot_file_tokens(blob: bytes) -> list[int]:
     if len(tokens) >= 3 and tokens[0] == -1:
         tokens = tokens[3 : 3 + tokens[2]]
     return tokens
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class LlamaServerKV:
@@ -122,7 +115,7 @@ class LlamaServerKV:
                         tokens = slot_file_tokens(blob)
                     except ValueError:
                         continue  # not a file this code reads: that slot is not offered
-                    shared = shared_prefix(tokens, prompt)
+                    shared = common_prefix_len(tokens, prompt)
                     if shared >= MIN_SHARED_TOKENS and (best is None or shared > best[0]):
                         best = (shared, tokens, blob)
             if best is None:
@@ -164,10 +157,6 @@ class LlamaServerKV:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
-
-
-def error_response(err: APIError) -> Response:
-    return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
 
 
 def build_kv_app(kv: LlamaServerKV) -> Starlette:

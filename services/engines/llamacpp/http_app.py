@@ -21,7 +21,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shared.client_gone import client_gone
-from shared.engine_asgi import EngineHeader
+from shared.engine_asgi import EngineHeader, error_response
 from shared.openai_protocol import (
     SSE_DONE,
     APIError,
@@ -60,10 +60,6 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-modelpool-engine-request-id"
 """The engine's own request id (the key of /slots and /debug/steps)."""
-
-
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
 
 
 def _one_choice(body: ChatCompletionRequest | CompletionRequest) -> None:

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from shared import kv_frames
+from shared.engine_asgi import error_response
 from shared.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -33,7 +34,7 @@ from shared.openai_protocol import (
 
 from . import ENGINE_NAME
 from .engine import KVBusy, LlamaEngine, SequenceState
-from .http_app import EngineAPI, error_response
+from .http_app import EngineAPI
 from .llama_backend import DecodeError
 
 PROMPT_BUILDERS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
