@@ -26,7 +26,6 @@ from shared.contracts.states import InstanceState
 
 class UtilizationPolicy(ReplicaPolicy[UtilizationConfig]):
     name = "utilization"
-    version = 1
     config_type = UtilizationConfig
 
     def count(self, s: AliasSnapshot, cfg: UtilizationConfig, backend: BackendType, load: Load, c: TierCensus,
@@ -50,7 +49,6 @@ class UtilizationPolicy(ReplicaPolicy[UtilizationConfig]):
 
 class LatencyPolicy(ReplicaPolicy[LatencyConfig]):
     name = "latency"
-    version = 1
     config_type = LatencyConfig
 
     def count(self, s: AliasSnapshot, cfg: LatencyConfig, backend: BackendType, load: Load, c: TierCensus,
@@ -73,7 +71,6 @@ class LatencyPolicy(ReplicaPolicy[LatencyConfig]):
 
 class PeriodicPolicy(ReplicaPolicy[PeriodicConfig]):
     name = "periodic"
-    version = 1
     config_type = PeriodicConfig
 
     def count(self, s: AliasSnapshot, cfg: PeriodicConfig, backend: BackendType, load: Load, c: TierCensus,

@@ -35,7 +35,6 @@ from shared.contracts.control import AliasSnapshot
 
 class HeteroScalePolicy(ReplicaPolicy[HeteroScaleConfig]):
     name = "heteroscale"
-    version = 1
     config_type = HeteroScaleConfig
 
     def count(self, s: AliasSnapshot, cfg: HeteroScaleConfig, backend: BackendType, load: Load, c: TierCensus,

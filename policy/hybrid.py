@@ -152,9 +152,10 @@ class _Step:
 
 class HybridPolicy:
     name = "hybrid"
-    version = 3
+    version = 4
     """2: requests waiting in the gateways for a slot count as load (inflight_total, the fast warm-up signal).
-    3: the vLLM tier keeps an instance until the load falls below C_down per instance (§5.1's hysteresis)."""
+    3: the vLLM tier keeps an instance until the load falls below C_down per instance (§5.1's hysteresis).
+    4: a drained instance of an alias whose router binds sessions is deleted after `drain_handoff_s` (reconcile)."""
 
     def propose(self, s: AliasSnapshot, now: datetime, new_window: bool) -> Proposal:
         cfg = hybrid_config(s)

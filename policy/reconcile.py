@@ -8,8 +8,10 @@ Per tier, against its census (observed plus in flight):
   still under way is cancelled first, then the least loaded, longest idle ones,
   each taking the next step of the tier's ladder once idle long enough;
 - asleep instances walk on down the ladder (level 2, then drain + delete);
-- an instance in ERROR is deleted; a drained one is deleted; one STARTING for
-  longer than its backend's start budget is deleted (and so replaced).
+- an instance in ERROR is deleted; a drained one is deleted (where the alias's
+  router binds sessions, once they have had `drain_handoff_s` to move to the
+  hosts that serve them next); one STARTING for longer than its backend's start
+  budget is deleted (and so replaced).
 
 A step the backend cannot take becomes its substitute from the capability
 matrix (a llama.cpp sleep: drain, then delete once drained), and so does one
@@ -206,12 +208,26 @@ class Reconciler:
             if i.state is S.ERROR:
                 self._emit(i, Action.DELETE, 0, "failed: release its resources")
             elif i.state is S.DRAINING:
+                handoff_ends = self._handoff_ends(i)
+                if handoff_ends is not None and self.now < handoff_ends:
+                    self.outlook.append(NextStep(f"delete {i.instance_id} once its sessions are handed over",
+                                                 handoff_ends))
+                    continue
                 self._emit(i, Action.DELETE, 0, "drained (or drain timed out): delete")
             elif i.state is S.STARTING and (starting_s := (self.now - i.state_since).total_seconds()) > start_timeout_s:
                 # Its worker never said how the start went (it lost the engine's answer, or the log was
                 # away when it tried): STARTING counts as supply, so without this nothing would replace it.
                 self._emit(i, Action.DELETE, 0, f"starting for {starting_s:.0f} s, past the start budget of "
                                                 f"{start_timeout_s:g} s: cancel it (a replacement follows)")
+
+    def _handoff_ends(self, i: InstanceView) -> datetime | None:
+        """When a drained instance's sessions have had their time to move to other hosts, KV first (the gateways
+        do it, `services/gateway/handoff.py`); None when there is nothing to hand over: the alias's router binds
+        no sessions, or the instance drained from sleep (its KV is gone already)."""
+        router = self.s.config.router
+        if not router.binds_sessions or not router.drain_handoff_s or i.sleep_level:
+            return None
+        return i.state_since + timedelta(seconds=router.drain_handoff_s)
 
     # ------------------------------------------------------------------ commands
 

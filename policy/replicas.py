@@ -62,7 +62,8 @@ def served_inflight(load: Load, backend: BackendType) -> float:
 
 class ReplicaPolicy(ABC, Generic[C]):
     name: str
-    version = 1
+    version = 2
+    """2: a drained instance of an alias whose router binds sessions is deleted after `drain_handoff_s`."""
     config_type: type[C]
 
     @abstractmethod

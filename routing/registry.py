@@ -67,7 +67,7 @@ def build_scheduler(config: RouterConfig, rng: random.Random) -> Scheduler:
         [FILTERS[name](config) for name in filters],
         [Weighted(SCORERS[s.name](), s.weight) for s in scorers if s.weight > 0],
         rng,
-        binds_sessions=any(f in ("session-host", "session-host-or-move") for f in filters),
+        binds_sessions=config.binds_sessions,
         per_session="session-hash" in filters,
         reads_cache=any(s.name == "prefix-hit" for s in scorers),
     )

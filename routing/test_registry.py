@@ -6,7 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from routing.plugins.testing import endpoints, make_router, request
+from routing.registry import preset
 from routing.scheduler import Endpoint
+from shared.contracts.config import BINDING_FILTERS, RouterConfig
 
 
 @pytest.mark.parametrize("plugin,binds,per_session,reads_cache", [
@@ -16,6 +18,8 @@ def test_what_a_preset_does_with_sessions_follows_from_its_filters(plugin, binds
     router = make_router(plugin)
     assert router.name == plugin
     assert (router.binds_sessions, router.per_session, router.reads_cache) == (binds, per_session, reads_cache)
+    # The configuration says whether it binds (the controller reads it) as its preset's filters do.
+    assert any(f in BINDING_FILTERS for f in preset(RouterConfig(plugin=plugin))[0]) == binds
 
 
 def test_scorers_of_ones_own_replace_the_presets():

@@ -183,6 +183,20 @@ async def test_lifecycle_over_the_engine_http_api(worker, store):
             await client.get(f"{endpoint}/health")
 
 
+async def test_a_drain_from_sleep_records_the_level_it_sleeps_at(worker, store):
+    # The controller reads it: an instance drained from sleep has no KV left to hand over, and is deleted at once.
+    await worker.handle(Envelope.wrap(start("v1")), start("v1"))
+    await eventually(lambda: worker.instances["v1"].state.value == "RUNNING", timeout=30)
+    for level in (1, 2):
+        cmd = SleepInstance(instance_id="v1", alias="qwen3-vl-2b", backend_type=V, worker_id="w1", level=level)
+        await worker.handle(Envelope.wrap(cmd), cmd)
+    drain = DrainInstance(instance_id="v1", alias="qwen3-vl-2b", backend_type=V, worker_id="w1", timeout_s=10)
+    await worker.handle(Envelope.wrap(drain), drain)
+    await eventually(lambda: outcomes_contains(store, "v1", ("drain", "ok")))
+    recorded = [(e.payload["to_state"], e.payload["sleep_level"]) for e in await changes(store, "v1")]
+    assert recorded == [("STARTING", 0), ("RUNNING", 0), ("SLEEP_1", 1), ("SLEEP_2", 2), ("DRAINING", 2)]
+
+
 async def outcomes_contains(store, iid, item, times: int = 1) -> bool:
     return (await outcomes(store, iid)).count(item) >= times
 

@@ -47,6 +47,7 @@ from services.gateway.admission import Admission
 from services.gateway.client_stream import REQUEST_ID_HEADER, ClientStream
 from services.gateway.context import Refused, RequestContext
 from services.gateway.edge import CHAT, COMPLETIONS, Keys, accept, error_response, http_error, unexpected_error
+from services.gateway.handoff import Handoff
 from services.gateway.meter import Meter
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
@@ -110,6 +111,7 @@ class Gateway:
         self.pre_request = PreRequest(self.router, self.sessions, view, client, self.metrics, self.clock)
         self.proxy = Proxy(client, self.config, self.router, self.metrics, self.telemetry, self.clock, self._reroute)
         self.post_response = PostResponse(self.admission, self.router, self.sessions, self.metrics)
+        self.handoff = Handoff(self.router, self.sessions, view, client, self.metrics, self.clock)
 
     async def start(self) -> None:
         """Read past start times, then follow the view; call after the view has loaded and before serving."""
@@ -119,19 +121,24 @@ class Gateway:
 
     def view_advanced(self, events: Sequence[StoredEvent]) -> None:
         self.sessions.apply(events)
-        self.router.view_advanced()  # first: admission asks the router
+        self.router.view_advanced()  # first: admission and handoffs ask the router
         self.starts.apply(events)
         self.admission.view_advanced()
+        self.handoff.view_advanced(events)
 
     async def publish_windows(self, stop: asyncio.Event) -> None:
         await self.meter.run(lambda: list(self.view[ROUTING]), self.bus.publish_window, stop)
 
     async def keep_sessions(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
         """Record the bindings made, and release the sessions this replica served that have idled past their
-        router's `session_idle_s`."""
-        await asyncio.gather(
-            self.sessions.run_writes(stop),
-            self.sessions.run_releases(lambda alias: self.router.router_config(alias).session_idle_s, stop, every_s))
+        router's `session_idle_s`; handoffs under way end with it."""
+        try:
+            await asyncio.gather(
+                self.sessions.run_writes(stop),
+                self.sessions.run_releases(lambda alias: self.router.router_config(alias).session_idle_s, stop,
+                                           every_s))
+        finally:
+            await self.handoff.close()
 
     async def exchange(self, request: Request, path: str) -> Exchange | Response:
         """The edge stage, then the rest of the request's way as its ASGI response; a refusal at the edge at once."""

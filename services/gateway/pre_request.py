@@ -1,11 +1,12 @@
 """Before a request is sent: its session bound to the instance it goes to, or moved there with its KV.
 
-Only for routers that bind sessions (sticky, affinity, EAR). A new session is
+Only for routers that bind sessions (affinity, EAR). A new session is
 bound to the slot's instance; a session the router moved (`Slot.moved_from`)
 brings its KV along from the old host where the router's `move_kv` and both
 engines allow (`kv_moves.py`), and the move is recorded with what it carried.
 The log records bindings behind the request (`sessions.py`): nothing here
-waits for the database.
+waits for the database. The session's request is kept, to export its KV by if
+its host is drained (`handoff.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class PreRequest:
         if not slot.binds:
             return
         session_id = ctx.ask.prompt.session_id
+        config = self.router.router_config(ctx.alias)
+        if config.drain_handoff_s and config.move_kv:
+            self.sessions.keep_request(session_id, ctx.path, ctx.payload)
         if slot.moved_from is not None:
             self.metrics.session_moved(ctx.alias, slot.reason)
             move = await self._move_kv(ctx, slot)

@@ -24,7 +24,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from routing.backends import backend_order, taking_new
@@ -223,6 +223,29 @@ class Router:
         slot = Slot(backend, row, ask, pending, choice.moved_from, choice.reason, scheduler.binds_sessions)
         self.slots.setdefault(instance_id, set()).add(slot)
         return slot
+
+    def successor(self, alias: str, backend: BackendType, session: SessionState) -> InstanceRow | None:
+        """Where a session leaving its host (drained, or put to sleep) will be served next: among the running
+        instances the routing state allows, on the host's backend if it may take requests (its KV can move
+        there), the one holding the fewest sessions' tokens (where its KV fits best: a handoff moves many
+        sessions at once, and piling them on one host would evict them), the alias's router deciding ties.
+        None when nothing else runs."""
+        allowed = backend_order(*self.state(alias), 0.0)  # a draw of 0 lists every backend the state allows
+        for tier in sorted(allowed, key=lambda b: b is not backend):
+            rows = [row for row in self._instances(alias, tier) if row.instance_id != session.host]
+            if not rows:
+                continue
+            resident = {row.instance_id: self.sessions.kv_resident(row.instance_id) if self.sessions else 0
+                        for row in rows}
+            least = min(resident.values())
+            roomiest = {row.instance_id: row for row in rows if resident[row.instance_id] == least}
+            kv_len = self.max_model_len(alias, tier)
+            # Room or not: no request goes now.
+            endpoints = [replace(self._endpoint(row, NO_PROMPT, False, kv_len), full=False) for row in roomiest.values()]
+            choice = self.scheduler(alias).choose(RoutingRequest(session, session.context_tokens, self.wall()),
+                                                  endpoints)
+            return roomiest[choice.instance_id] if choice is not None else next(iter(roomiest.values()))
+        return None
 
     def _endpoint(self, row: InstanceRow, ask: Ask, reads_cache: bool, kv_len: int | None) -> Endpoint:
         instance_id = row.instance_id

@@ -10,7 +10,9 @@ win: the stream version decides, and the loser reads the winner's binding and
 follows it from its next request on.
 Bindings made by other replicas arrive through the live view. A session idle for
 the router's `session_idle_s` is released (`SessionReleased`), and its next
-request is placed anew.
+request is placed anew. The replica keeps the last request of each session it
+served (within `MAX_KEPT_REQUEST_BYTES`): the KV of a session handed over at
+scale-down is exported by it (`handoff.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +35,9 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING_WRITES = 10_000
 """Bindings and moves waiting for the log at most (Postgres away while sessions keep coming): memory stays bounded."""
+MAX_KEPT_REQUEST_BYTES = 128 * 2**20
+"""The sessions' last requests kept for handoffs at most; past it the least recently active sessions' go first
+(handed over, they recompute)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,9 @@ class Sessions:
         self.bindings: dict[str, Binding] = {}
         self.resident: dict[str, int] = {}
         """Per instance, the context tokens of the sessions bound to it."""
+        self.last_requests: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
+        """Per session this replica served, its last request (endpoint, body), least recently active first."""
+        self._kept_bytes = 0
         self._writes: asyncio.Queue[_Write] = asyncio.Queue()
         self.unrecorded = 0
         """Bindings and moves never recorded because too many waited for the log."""
@@ -121,6 +130,25 @@ class Sessions:
             return
         self.resident[b.host] = self.resident.get(b.host, 0) + context_tokens - b.context_tokens
         b.context_tokens, b.last_seen = context_tokens, self.clock()
+
+    def keep_request(self, session_id: str, endpoint: str, body: bytes) -> None:
+        """The session's latest request: what its KV is exported by when its host is drained."""
+        self._forget_request(session_id)
+        self.last_requests[session_id] = (endpoint, body)
+        self._kept_bytes += len(body)
+        while self._kept_bytes > MAX_KEPT_REQUEST_BYTES and self.last_requests:
+            self._forget_request(next(iter(self.last_requests)))
+
+    def _forget_request(self, session_id: str) -> None:
+        kept = self.last_requests.pop(session_id, None)
+        if kept is not None:
+            self._kept_bytes -= len(kept[1])
+
+    def served_on(self, instance_id: str) -> list[str]:
+        """The sessions bound to `instance_id` that this replica served, the most recently active first."""
+        served = [(b.last_seen, session_id) for session_id, b in self.bindings.items()
+                  if b.host == instance_id and b.last_seen]
+        return [session_id for _, session_id in sorted(served, reverse=True)]
 
     def bind(self, session_id: str, alias: str, instance_id: str) -> None:
         """The session's first host: in effect at once, recorded in the log behind the request.
@@ -260,6 +288,7 @@ class Sessions:
         self.resident[binding.host] = self.resident.get(binding.host, 0) + binding.context_tokens
 
     def _drop(self, session_id: str) -> None:
+        self._forget_request(session_id)
         old = self.bindings.pop(session_id, None)
         if old is not None:
             self.resident[old.host] = self.resident.get(old.host, 0) - old.context_tokens

@@ -512,7 +512,8 @@ class Worker:
         change = InstanceStateChanged(
             instance_id=inst.instance_id, alias=inst.alias, backend_type=inst.backend_type, engine=inst.engine,
             worker_id=self.worker_id, from_state=inst.state, to_state=to_state, reason=reason,
-            sleep_level=inst.sleep_level if to_state in (S.SLEEP_1, S.SLEEP_2) else 0,
+            # A drain from sleep stays at its level: the engine is still asleep, its KV gone (no handoff to wait for).
+            sleep_level=inst.sleep_level if to_state in (S.SLEEP_1, S.SLEEP_2, S.DRAINING) else 0,
             capacity=inst.process.capacity if inst.process else None,
             endpoint=inst.endpoint, internal_endpoint=inst.process.internal_endpoint if inst.process else None,
             role=inst.role, command_id=cause.id if cause else None, exit_code=exit_code, log_tail=log_tail,

@@ -90,6 +90,10 @@ RouterFilter = Literal["has-room", "session-hash", "session-host", "session-host
 when not listed); the others keep a session's turns together, by hash, on its host, or on its host unless hot."""
 RouterScorer = Literal["least-pending-prefill", "least-inflight", "prefix-hit", "next-in-turn"]
 SESSION_FILTERS = ("session-hash", "session-host", "session-host-or-move")
+BINDING_FILTERS = ("session-host", "session-host-or-move")
+"""The session filters that bind a session to its host in the log (hashing needs no binding)."""
+BINDING_PLUGINS = ("affinity", "ear")
+"""The presets whose filters include a binding one (`routing/registry.py`)."""
 
 
 class ScorerConfig(BaseModel):
@@ -129,6 +133,17 @@ class RouterConfig(BaseModel):
     internal ports); otherwise, or when the move fails, the new host recomputes the context."""
     kv_move_timeout_s: float = Field(default=10.0, gt=0)
     """EAR: a KV move that takes longer is abandoned, and the new host recomputes."""
+    drain_handoff_s: float = Field(default=5.0, ge=0)
+    """Routers that bind sessions: an instance drained (for scale-down or by an operator) hands its sessions over
+    to the instances that serve them next within this long, their KV moved first where both engines can; the
+    controller deletes it only then. 0: no handoff (each session is placed anew at its next turn, recomputed)."""
+
+    @property
+    def binds_sessions(self) -> bool:
+        """Its filters bind each session to a host in the log (affinity, EAR, or custom filters that do)."""
+        if self.filters is not None:
+            return any(f in BINDING_FILTERS for f in self.filters)
+        return self.plugin in BINDING_PLUGINS
 
     @model_validator(mode="after")
     def _one_way_to_keep_sessions(self) -> "RouterConfig":

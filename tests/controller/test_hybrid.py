@@ -11,7 +11,7 @@ from dataclasses import replace
 from datetime import timedelta
 
 import pytest
-from world import FAST, SLOW, R, S, World, alias_config, with_hybrid
+from world import FAST, SLOW, T0, R, S, World, alias_config, with_hybrid
 
 from shared.contracts.backends import Action
 from shared.contracts.control import StartFailure
@@ -392,6 +392,28 @@ def test_a_worker_answering_unsupported_gets_the_substitute_with_the_reason_reco
     (drain,) = actions(d, backend=SLOW)
     assert drain.action is Action.DRAIN and drain.substitute_for is Action.SLEEP
     assert "worker answered unsupported for sleep" in drain.reason
+
+
+@pytest.mark.parametrize("router, level, held", [
+    ({"plugin": "ear", "drain_handoff_s": 5}, 0, True),
+    ({"plugin": "affinity"}, 0, True),  # the default handoff time, 5 s
+    ({"plugin": "ear", "drain_handoff_s": 0}, 0, False),  # no handoff asked for
+    ({"plugin": "least-load", "drain_handoff_s": 5}, 0, False),  # its router binds no sessions
+    ({"plugin": "ear", "drain_handoff_s": 5}, 2, False),  # drained from sleep: its KV is gone already
+])
+def test_a_drained_instance_is_deleted_once_its_sessions_had_their_handoff_time(router, level, held):
+    w = World(config=with_hybrid(alias_config(router=router))).at(R.FAST_ONLY)
+    w.put("f1", FAST)
+    w.put("f2", FAST, S.DRAINING, sleep_level=level)
+    d = w.tick(1, w.window(1))
+    if not held:
+        assert [a.instance_id for a in actions(d, Action.DELETE)] == ["f2"]
+        return
+    assert not actions(d, Action.DELETE)
+    assert any(n.what == "delete f2 once its sessions are handed over" and n.at == T0 + timedelta(seconds=5)
+               for n in d.outlook), d.outlook
+    assert not actions(w.tick(3.9, w.window(1)), Action.DELETE)
+    assert [a.instance_id for a in actions(w.tick(0.2, w.window(1)), Action.DELETE)] == ["f2"]
 
 
 def test_commands_pending_count_and_ids_derive_from_the_decision():

@@ -88,6 +88,37 @@ class Facts:
                             capacity=capacity, internal_endpoint=engine.internal_url, engine=kind)
 
 
+# --------------------------------------------------------------------------- sessions
+
+
+def chat(*turns: str, system: str | None = None, **extra) -> dict:
+    messages = [{"role": "system", "content": system}] if system else []
+    messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    return {"model": ALIAS, "messages": messages, "max_tokens": 2, **extra}
+
+
+async def all_recorded(store, sessions: list[str]) -> bool:
+    return all([await session_events(store, s) for s in sessions])
+
+
+async def events_are(store, session_id: str, expected: list[str]) -> bool:
+    return await session_events(store, session_id) == expected
+
+
+async def session_events(store, session_id: str) -> list[str]:
+    return [e.type for e in await store.read_stream(f"session:{ALIAS}/{session_id}")]
+
+
+async def pool_of(engines, facts, gateways, router: dict, backend=SLOW, kind=EngineKind.SIMULATOR):
+    """A gateway in front of `engines`, the alias routed to their backend by `router`."""
+    wait_healthy(engines, timeout=120)
+    await facts.alias(router=router)
+    for i, engine in enumerate(engines):
+        await facts.running(f"{'v' if backend is SLOW else 'f'}{i}", engine, backend, kind=kind)
+    await facts.route(RoutingState.VLLM_PRIMARY if backend is SLOW else RoutingState.FAST_ONLY)
+    return await gateways.start()
+
+
 # --------------------------------------------------------------------------- gateways
 
 

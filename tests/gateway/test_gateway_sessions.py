@@ -7,40 +7,13 @@ import asyncio
 import httpx
 import pytest
 
-from gateway_support import ALIAS, FAST, SLOW, start_engine, start_llama_engine, wait_healthy
+from gateway_support import (ALIAS, FAST, SLOW, all_recorded, chat, events_are, pool_of, session_events,
+                             start_engine, start_llama_engine)
 from helpers import eventually
 from shared.contracts.backends import EngineKind
 from shared.contracts.states import RoutingState as R
 
 EAR = {"plugin": "ear", "t_hot_tokens": 400, "t_cool_s": 30}
-
-
-def chat(*turns: str, system: str | None = None, **extra) -> dict:
-    messages = [{"role": "system", "content": system}] if system else []
-    messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
-    return {"model": ALIAS, "messages": messages, "max_tokens": 2, **extra}
-
-
-async def all_recorded(store, sessions: list[str]) -> bool:
-    return all([await session_events(store, s) for s in sessions])
-
-
-async def events_are(store, session_id: str, expected: list[str]) -> bool:
-    return await session_events(store, session_id) == expected
-
-
-async def session_events(store, session_id: str) -> list[str]:
-    return [e.type for e in await store.read_stream(f"session:{ALIAS}/{session_id}")]
-
-
-async def pool_of(engines, facts, gateways, router: dict, backend=SLOW, kind=EngineKind.SIMULATOR):
-    """A gateway in front of `engines`, the alias routed to their backend by `router`."""
-    wait_healthy(engines, timeout=120)
-    await facts.alias(router=router)
-    for i, engine in enumerate(engines):
-        await facts.running(f"{'v' if backend is SLOW else 'f'}{i}", engine, backend, kind=kind)
-    await facts.route(R.VLLM_PRIMARY if backend is SLOW else R.FAST_ONLY)
-    return await gateways.start()
 
 
 async def turn_off_a_hot_host(client: httpx.AsyncClient, first_turn: dict, next_turn, long_words: int = 2000):

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preemption-mode", choices=["swap", "sacrifice"])
     g.add_argument("--preemption-strategy", choices=["conservative", "aggressive"])
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False)
+    g.add_argument("--prefix-caching", dest="enable_prefix_caching", action="store_const", const=True,
+                   help="keep finished requests' KV for later prompts that share its prefix (the llama.cpp "
+                        "profile's default is off: a slot keeps only its own last prompt)")
     g.add_argument("--natural-output-tokens", type=int, help="mean answer length when max_tokens is larger")
     g = p.add_argument_group("memory accounting")
     g.add_argument("--gpu-memory-gib", type=float)
