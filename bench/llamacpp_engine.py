@@ -274,6 +274,9 @@ def main() -> int:
     ap.add_argument("--prompts", choices=("repeated", "unique"), default="repeated",
                     help="repeated: 16 prompts over and over (prompt caches answer them); unique: each request's "
                          "own (only the chat template's opening is shared)")
+    ap.add_argument("--llama-server-args", default="",
+                    help="more arguments for llama-server, as one string (e.g. \"--cache-ram 0\" turns its host-memory "
+                         "prompt cache off)")
     ap.add_argument("--skip-stock", action="store_true")
     ap.add_argument("--logs", type=Path, default=Path("/tmp"), help="where server logs go")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG of tokens/s and TTFT against streams")
@@ -300,7 +303,7 @@ def main() -> int:
     commands[SERVER] = ([
         str(llama_server_binary()), "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
         "--threads", str(args.threads), "--parallel", str(slots), "--ctx-size", str(n_ctx), "--cont-batching",
-        "--alias", "bench", "--no-webui",
+        "--alias", "bench", "--no-webui", *args.llama_server_args.split(),
     ], f"http://127.0.0.1:{port}")
     problem = "skipped (--skip-stock)" if args.skip_stock else stock_available()
     if problem is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.engines.llamacpp.kv_cache import KVCacheManager, KVLimits
+from services.engines.llamacpp.prompt_cache import HostPromptCache
 from services.engines.llamacpp.requests import GenerationRequest, RequestState, SamplingParams
 from services.engines.llamacpp.scheduler import (
     LengthLimitExceeded,
@@ -288,3 +289,48 @@ def test_batch_lists_sequences_in_ascending_id_order() -> None:
     plan = s.schedule(0.2)
     assert [w.seq_id for w in plan.work] == [0, 1, 2]
     assert plan.work[0].request_id == 3 and plan.work[0].kind == "prefill"
+
+
+def with_host_cache(n_seq: int = 1, max_bytes: int = 1000, **limits: object) -> BatchScheduler:
+    base = dict(max_queue=8, max_running=n_seq, max_batch_size=n_seq, batch_tokens=256, request_timeout_s=10.0)
+    base.update(limits)
+    return BatchScheduler(SchedulerLimits(**base), SequenceIdPool(n_seq), KVCacheManager(KVLimits(max_items=1000)),  # type: ignore[arg-type]
+                          HostPromptCache(max_bytes, bytes_per_token=10))
+
+
+def test_an_evicted_conversation_is_saved_to_host_memory_and_restored_for_its_next_turn() -> None:
+    s = with_host_cache(n_seq=1)
+    first = list(range(100, 130))
+    run_to_completion(s, 0, first, 0.0)
+    other = list(range(500, 520))
+    s.submit(req(1, other))
+    plan = s.schedule(0.1)
+    # the parked turn leaves id 0 for the other prompt: saved before its cells are cleared
+    assert plan.kv_ops == [("save", 0, 1), ("trim", 0, 0)]
+    assert s.prompts is not None and s.prompts.used_bytes == 300
+    for w in plan.work:
+        s.record_decoded(w, 0.1)
+    s.finish(1, RequestState.COMPLETED, 0.2)
+    s.submit(req(2, first + [7, 8]))
+    plan = s.schedule(0.3)
+    # the other prompt is saved in turn; the first conversation comes back from host memory, not prefilled
+    assert plan.kv_ops == [("save", 0, 2), ("trim", 0, 0), ("restore", 0, 1), ("trim", 0, 30)]
+    assert s.running[2].cached_tokens == 30 and plan.work[0].pos0 == 30 and plan.work[0].tokens == [7, 8]
+    assert s.prompts.restores == 1
+
+
+def test_the_host_cache_keeps_its_bound_drops_earlier_turns_and_skips_short_sequences() -> None:
+    cache = HostPromptCache(max_bytes=500, bytes_per_token=10)
+    turn_1, other = list(range(20)), list(range(100, 120))
+    assert cache.save(turn_1) == (1, [])
+    assert cache.save(other) == (2, [])
+    assert cache.save(turn_1[:10]) == (None, [])  # held by a saved sequence already
+    assert cache.save(turn_1 + list(range(50, 60))) == (3, [1])  # the next turn holds the first: it goes
+    assert cache.used_bytes == 500
+    assert cache.save(list(range(200, 220))) == (4, [2])  # the least recently used out until it fits
+    assert cache.used_bytes == 500
+    assert cache.save(list(range(60))) == (None, [])  # bigger than the whole cache
+    s = with_host_cache(n_seq=1)
+    run_to_completion(s, 0, [1, 2, 3], 0.0)
+    s.submit(req(1, [4, 5, 6]))
+    assert s.schedule(0.1).kv_ops == [("trim", 0, 0)]  # a few tokens: recomputed rather than saved

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from .kv_cache import KVCacheManager, KVLimits
+from .kv_cache import MIB, KVCacheManager, KVLimits
 from .llama_backend import LlamaModelConfig, DecodeError, LlamaBackend, Sampler
 from .metrics import EngineMetrics, render_prometheus
 from .model_files import default_model_path
@@ -33,7 +33,8 @@ from .requests import (
     TokenEvent,
     Tracked,
 )
-from .scheduler import BatchScheduler, SchedulerLimits, StepPlan
+from .prompt_cache import HostPromptCache
+from .scheduler import BatchScheduler, KVOp, SchedulerLimits, StepPlan
 from .seq_ids import SequenceIdPool
 from .settings import EngineSettings
 from .text_stream import TextAssembler
@@ -111,6 +112,8 @@ class LlamaEngine:
         self._generations: dict[int, _Generation] = {}
         self._ready = threading.Event()
         self._jobs: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._saved_states: dict[int, bytes] = {}
+        """The host-memory prompt cache's sequence states by key (the decode thread's alone)."""
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -207,6 +210,7 @@ class LlamaEngine:
             seq_id = self._scheduler.adopt(request_id, list(moved.tokens), self.clock())
             if seq_id is None:
                 raise KVBusy("every sequence id is decoding")
+            self._apply(self._scheduler.take_kv_ops())  # the entry it evicts is saved before the import overwrites it
             try:
                 self.backend.import_seq(seq_id, moved.state, len(moved.tokens))
             except DecodeError:
@@ -234,7 +238,7 @@ class LlamaEngine:
         if not self._jobs:
             return
         try:
-            self.backend.apply(self._scheduler.take_kv_ops())
+            self._apply(self._scheduler.take_kv_ops())
         except DecodeError:
             log.exception("applying KV operations before a KV move failed")
         while self._jobs:
@@ -281,6 +285,7 @@ class LlamaEngine:
                 kv_usage_ratio=float(st["kv_usage_ratio"]),
                 kv_tokens=int(st["kv_tokens"]),
                 labels=labels,
+                prompt_cache_bytes=self._scheduler.prompts.used_bytes if self._scheduler and self._scheduler.prompts else 0,
             )
 
     # -- the decode thread -----------------------------------------------------------
@@ -308,6 +313,7 @@ class LlamaEngine:
             ),
             SequenceIdPool(s.n_seq_max),
             kv,
+            HostPromptCache(int(s.prompt_cache_mb * MIB), backend.kv_bytes_per_token()),
         )
         self.backend = backend
 
@@ -337,6 +343,10 @@ class LlamaEngine:
                     last_cleanup = now
                     self._scheduler.cleanup_kv()  # type: ignore[union-attr]
                 self._drop_orphans()
+                gathering = self._gathering(now)
+                if gathering > 0:
+                    self._lock.wait(timeout=gathering)
+                    continue
                 plan = self._scheduler.schedule(now)  # type: ignore[union-attr]
                 self.metrics.prefix_copies += sum(1 for op, _, _ in plan.kv_ops if op == "copy")
                 if not plan.work and not plan.kv_ops:
@@ -355,11 +365,26 @@ class LlamaEngine:
             self._step(plan, outbox)
             outbox.deliver()
 
+    def _gathering(self, now: float) -> float:
+        """How much longer an idle engine waits for more of a burst before its first step (0: it goes now).
+
+        Requests that arrive together (clients fanning out, a batch job) reach the
+        decode thread one by one, as the event loop parses them; starting the
+        first alone would make the others wait out its whole step. An idle engine
+        gives them `admission_wait_ms` from the first arrival; a busy one needs no
+        wait (arrivals join its next step anyway), nor does a full batch."""
+        s = self._scheduler
+        assert s is not None
+        window = self.settings.admission_wait_ms / 1000
+        if not window or not s.queue or s.processing() or s.waiting() >= self.settings.batch_width:
+            return 0.0
+        return window - (now - s.queue[0].request.arrived_at)
+
     def _step(self, plan: StepPlan, outbox: _Outbox) -> None:
         backend = self.backend
         assert backend is not None and self._scheduler is not None
         try:
-            backend.apply(plan.kv_ops)
+            self._apply(plan.kv_ops)
             if not plan.work:
                 return
             t0 = self.clock()
@@ -392,6 +417,31 @@ class LlamaEngine:
             for request_id, token in sampled:
                 if request_id in self._scheduler.running:
                     self._accept_token(self._scheduler.running[request_id], token, now, outbox)
+
+    def _apply(self, kv_ops: list[KVOp]) -> None:
+        """The scheduler's KV operations, in order: llama.cpp's own, and the host-memory prompt cache's (the
+        states saved by key live here; the scheduler books which tokens each holds)."""
+        backend = self.backend
+        assert backend is not None
+        for op in kv_ops:
+            kind, seq_id, key = op
+            if kind == "save":
+                try:
+                    self._saved_states[key] = backend.export_seq(seq_id)
+                except DecodeError:
+                    log.exception("sequence %d could not be saved to host memory", seq_id)
+                    with self._lock:
+                        self._scheduler.prompts.forget(key)  # type: ignore[union-attr]  # it booked the save
+            elif kind == "restore":
+                state = self._saved_states.get(key)
+                if state is None:
+                    raise DecodeError(f"no state saved under key {key} to restore sequence {seq_id} from")
+                backend.import_seq(seq_id, state, backend.n_ctx_seq)
+                self.metrics.prompt_cache_restores += 1
+            elif kind == "free":
+                self._saved_states.pop(key, None)
+            else:
+                backend.apply([op])
 
     def _accept_token(self, tracked: Tracked, token: int, now: float, outbox: _Outbox) -> None:
         assert self.backend is not None and self._scheduler is not None

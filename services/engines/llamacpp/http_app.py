@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -60,6 +61,8 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-modelpool-engine-request-id"
 """The engine's own request id (the key of /slots and /debug/steps)."""
+TEXT_MARK = "modelpool-text-5f0c9e"
+"""Stands for a token's text in the rendered chunk it is spliced into."""
 
 
 def _one_choice(body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -71,22 +74,17 @@ def _one_choice(body: ChatCompletionRequest | CompletionRequest) -> None:
 class _Answer:
     """An admitted request's engine events as they come, until it finishes or its client leaves."""
 
-    def __init__(self, engine: Any, request_id: int, queue: asyncio.Queue[EngineEvent], receive: Receive) -> None:
+    def __init__(self, engine: Any, request_id: int, queue: asyncio.Queue[EngineEvent | None], receive: Receive) -> None:
         self.engine, self.request_id, self.queue = engine, request_id, queue
         self.disconnected = asyncio.ensure_future(client_gone(receive))
+        # The client's departure joins the engine's events: one plain `get` per token, no race set up each time.
+        self.disconnected.add_done_callback(lambda _: queue.put_nowait(None))
         self.finished = False
         """The engine is done with the request (nothing to cancel)."""
 
     async def next(self) -> EngineEvent | None:
         """The next engine event, or None when the client went away first."""
-        if not self.queue.empty():
-            return self.queue.get_nowait()
-        getter = asyncio.ensure_future(self.queue.get())
-        await asyncio.wait({getter, self.disconnected}, return_when=asyncio.FIRST_COMPLETED)
-        if getter.done():
-            return getter.result()
-        getter.cancel()
-        return None
+        return await self.queue.get()
 
     def close(self) -> None:
         """Stop watching the client; cancel the request in the engine unless it finished."""
@@ -286,7 +284,7 @@ class EngineAPI:
         return await self._whole(answer, first, body, prompt, response_id, created, chat=chat)
 
     async def _admit(self, request: Request, model: type[BaseModel], build_prompt: Callable[[Any], list[int]], *,
-                     chat: bool) -> tuple[Any, list[int], int, asyncio.Queue[EngineEvent]]:
+                     chat: bool) -> tuple[Any, list[int], int, asyncio.Queue[EngineEvent | None]]:
         """Parse and check the request, and submit it to the engine: (body, prompt, request id, its events)."""
         try:
             payload = await request.json()
@@ -327,7 +325,7 @@ class EngineAPI:
             frequency_penalty=body.frequency_penalty,
         )
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        queue: asyncio.Queue[EngineEvent | None] = asyncio.Queue()
 
         def sink(event: EngineEvent) -> None:  # called on the engine's thread
             loop.call_soon_threadsafe(queue.put_nowait, event)
@@ -344,11 +342,13 @@ class EngineAPI:
         render = self._chat_chunk if chat else self._completion_chunk
         if chat:
             yield sse(self._chat_chunk(response_id, created, ChatDelta(role="assistant", content=""), None))
+        # Every token's event is the same chunk but for its text: rendered once, the text spliced in.
+        before, after = sse(render(response_id, created, TEXT_MARK, None)).split(f'"{TEXT_MARK}"'.encode())
         event: EngineEvent | None = first
         while event is not None:
             if isinstance(event, TokenEvent):
                 if event.text:
-                    yield sse(render(response_id, created, event.text, None))
+                    yield before + orjson.dumps(event.text) + after
             else:
                 answer.finished = True
                 if event.state != RequestState.COMPLETED:

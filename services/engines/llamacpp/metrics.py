@@ -23,6 +23,7 @@ class EngineMetrics:
     prefix_copies: int = 0
     kv_exports: int = 0
     kv_imports: int = 0
+    prompt_cache_restores: int = 0
     decode_steps: int = 0
     decode_seconds: float = 0.0
     rejected_429: int = 0
@@ -35,7 +36,8 @@ class EngineMetrics:
 
 
 def render_prometheus(
-    m: EngineMetrics, *, running: int, waiting: int, kv_usage_ratio: float, kv_tokens: int, labels: dict[str, str]
+    m: EngineMetrics, *, running: int, waiting: int, kv_usage_ratio: float, kv_tokens: int, labels: dict[str, str],
+    prompt_cache_bytes: int = 0,
 ) -> str:
     lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
     lines: list[str] = []
@@ -60,6 +62,10 @@ def render_prometheus(
     counter("llamacpp:prefix_copies_total", "Cached prefixes copied from another sequence.", m.prefix_copies)
     counter("llamacpp:kv_exports_total", "Sequences exported to another engine (session moves).", m.kv_exports)
     counter("llamacpp:kv_imports_total", "Sequences imported from another engine (session moves).", m.kv_imports)
+    gauge("llamacpp:prompt_cache_bytes", "Host memory held by sequences evicted from the KV (the prompt cache).",
+          prompt_cache_bytes)
+    counter("llamacpp:prompt_cache_restores_total", "Prompts answered from a sequence restored from host memory.",
+            m.prompt_cache_restores)
     counter("llamacpp:decode_steps_total", "llama_decode calls.", m.decode_steps)
     counter("llamacpp:decode_seconds_total", "Time spent in llama_decode.", m.decode_seconds)
     counter("llamacpp:requests_completed_total", "Requests completed.", m.completed)

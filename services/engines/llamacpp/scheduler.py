@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .kv_cache import KVCacheManager, KVEntry
+from .prompt_cache import HostPromptCache
 from .requests import GenerationRequest, RequestState, Tracked
 from .seq_ids import SequenceIdPool
 
@@ -96,10 +97,17 @@ class SeqWork:
 
 KVOp = tuple[str, int, int]
 """("trim", seq_id, from_pos): drop positions >= from_pos (0: the whole sequence);
-("copy", src_seq, dst_seq): make dst a copy of src (then trimmed to the shared prefix)."""
+("copy", src_seq, dst_seq): make dst a copy of src (then trimmed to the shared prefix);
+("save", seq_id, key): keep the sequence's state in host memory under `key` (before it is cleared);
+("restore", seq_id, key): replace the sequence with the state saved under `key` (then trimmed);
+("free", 0, key): the state saved under `key` is no longer needed."""
 
 MIN_COPY_TOKENS = 8
 """A shared prefix shorter than this is recomputed rather than copied from another sequence."""
+STATE_TOKENS_PER_TOKEN_SAVED = 64
+"""A sequence is restored from host memory when it spares at least one token of compute per this many tokens of
+state it copies: recomputing a token costs milliseconds here (about 3 ms with two threads, docs/engine-llamacpp.md),
+copying one's state (23 KB for SmolLM2-135M) microseconds."""
 TAKE_OVER_SHARE = 0.5
 """A new prompt keeping at least this share of a parked entry continues its conversation: among
 equally compact ids, that entry's id is preferred and the entry taken over in place (no copy)."""
@@ -122,10 +130,13 @@ class StepPlan:
 
 
 class BatchScheduler:
-    def __init__(self, limits: SchedulerLimits, seq_ids: SequenceIdPool, kv: KVCacheManager) -> None:
+    def __init__(self, limits: SchedulerLimits, seq_ids: SequenceIdPool, kv: KVCacheManager,
+                 prompts: HostPromptCache | None = None) -> None:
         self.limits = limits
         self.seq_ids = seq_ids
         self.kv = kv
+        self.prompts = prompts if limits.prefix_cache else None
+        """Parked entries evicted from the KV, kept in host memory (None: not kept)."""
         self.queue: deque[Tracked] = deque()
         self.running: dict[int, Tracked] = {}  # insertion order = admission order
         self._kv_ops: list[KVOp] = []
@@ -273,8 +284,7 @@ class BatchScheduler:
         seq_id = min(free, key=last_used)
         victim = self.kv.parked_on(seq_id)
         if victim is not None:
-            self.kv.drop(victim.request_id)
-            self.kv.evictions += 1
+            self._evict(victim, clear=False)  # the import replaces the whole sequence
         self.kv.open(request_id, seq_id, now, tokens)
         self.kv.set_state(request_id, RequestState.COMPLETED, now)
         return seq_id
@@ -287,7 +297,9 @@ class BatchScheduler:
     def cleanup_kv(self) -> list[KVEntry]:
         """Periodic KV cleanup: LRU-evict parked entries above the eviction threshold."""
         evicted = self.kv.evict_over_threshold()
-        self._kv_ops.extend(("trim", e.seq_id, 0) for e in evicted)
+        for entry in evicted:
+            self._save(entry)
+            self._kv_ops.append(("trim", entry.seq_id, 0))
         return evicted
 
     # -- internals ---------------------------------------------------------
@@ -318,7 +330,9 @@ class BatchScheduler:
         (parked or running) is then reused: taken over in place when it is
         parked on the chosen id, otherwise copied into it (a shared system
         prompt, or a conversation whose id is not the one chosen), so the entry
-        it came from stays cached for its own conversation.
+        it came from stays cached for its own conversation. A longer match in
+        host memory (`prompt_cache.py`: entries evicted earlier) is restored
+        into the id instead. A parked entry the id held is saved there first.
         """
         free = self.seq_ids.free_ids()
         if not free:
@@ -326,6 +340,7 @@ class BatchScheduler:
         prompt = tracked.request.prompt_tokens
         rid = tracked.request_id
         source: KVEntry | None = None
+        saved = None
         keep = 0
         if self.limits.prefix_cache and tracked.request.reuse_prefix:
             source, common = self.kv.best_prefix(prompt, range(self.seq_ids.n_seq_max), include_running=True)
@@ -333,20 +348,33 @@ class BatchScheduler:
             keep = min(common, len(prompt) - 1)
             if keep <= 0:
                 source = None
+            if self.prompts is not None:
+                saved, in_host = self.prompts.best_prefix(prompt)
+                spared = min(in_host, len(prompt) - 1) - keep
+                if saved is not None and spared >= max(1, len(saved.tokens) // STATE_TOKENS_PER_TOKEN_SAVED):
+                    source, keep = None, min(in_host, len(prompt) - 1)  # restored from host memory
+                else:
+                    saved = None
         seq_id = self._place(free, source, keep)
         got = self.seq_ids.acquire(rid, prefer=seq_id)
         assert got == seq_id
         tracked.seq_id = seq_id
         if source is not None and source.seq_id == seq_id:
+            if keep < TAKE_OVER_SHARE * len(source.tokens):
+                self._save(source)  # another conversation keeps only its opening: the rest is kept in host memory
             self.kv.take_over(source.request_id, rid, keep, now)
             self._kv_ops.append(("trim", seq_id, keep))
             tracked.cached_tokens = tracked.n_prefilled = keep
             return True
         victim = self.kv.parked_on(seq_id)
         if victim is not None:
-            self.kv.drop(victim.request_id)
-            self.kv.evictions += 1
-            self._kv_ops.append(("trim", seq_id, 0))
+            self._evict(victim, clear=True)
+        if saved is not None:
+            self._kv_ops += [("restore", seq_id, saved.key), ("trim", seq_id, keep)]
+            self.prompts.restored(saved.key)  # type: ignore[union-attr]  # set whenever `saved` is
+            self.kv.open(rid, seq_id, now, saved.tokens[:keep])
+            tracked.cached_tokens = tracked.n_prefilled = keep
+            return True
         if source is not None and keep >= MIN_COPY_TOKENS:
             self._kv_ops.append(("copy", source.seq_id, seq_id))
             self._kv_ops.append(("trim", seq_id, keep))
@@ -356,6 +384,23 @@ class BatchScheduler:
         else:
             self.kv.open(rid, seq_id, now)
         return True
+
+    def _evict(self, entry: KVEntry, *, clear: bool) -> None:
+        """A parked entry leaves the KV for another sequence: kept in host memory first, then its cells cleared
+        (`clear`; an import that replaces the whole sequence needs no clearing)."""
+        self.kv.drop(entry.request_id)
+        self.kv.evictions += 1
+        self._save(entry)
+        if clear:
+            self._kv_ops.append(("trim", entry.seq_id, 0))
+
+    def _save(self, entry: KVEntry) -> None:
+        if self.prompts is None or len(entry.tokens) < MIN_COPY_TOKENS:
+            return
+        key, freed = self.prompts.save(entry.tokens)
+        self._kv_ops += [("free", 0, k) for k in freed]
+        if key is not None:
+            self._kv_ops.append(("save", entry.seq_id, key))
 
     def _place(self, free: list[int], source: KVEntry | None, keep: int) -> int:
         """The free sequence id a new request decodes under.

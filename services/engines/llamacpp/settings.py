@@ -52,6 +52,8 @@ class EngineSettings(BaseModel):
     max_batch_size: int = Field(default=8, ge=1)
     max_input_tokens: int = Field(default=1024, ge=1)
     max_output_tokens: int = Field(default=2048, ge=1)
+    admission_wait_ms: float = Field(default=5.0, ge=0)
+    """An idle engine's wait for the rest of a burst before its first step (0: none); a busy engine never waits."""
     request_timeout_s: float = Field(default=60.0, gt=0)
     timeout_scan_interval_s: float = Field(default=1.0, gt=0)
 
@@ -62,6 +64,9 @@ class EngineSettings(BaseModel):
     kv_cache_cleanup_interval_s: float = Field(default=1.0, gt=0)
     prefix_cache: bool = True
     """Keep a finished request's KV so the next turn of the conversation reuses it."""
+    prompt_cache_mb: float = Field(default=2048.0, ge=0)
+    """Host memory for finished sequences evicted from the KV, restored for prompts that continue them (llama-server's
+    `--cache-ram`, 8 GiB there by default); 0: none (with `prefix_cache` off, none either)."""
 
     step_log_size: int = Field(default=4096, ge=0)
     """How many recent decode steps keep their batch composition (for /debug and tests)."""
