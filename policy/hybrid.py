@@ -152,10 +152,12 @@ class _Step:
 
 class HybridPolicy:
     name = "hybrid"
-    version = 4
+    version = 5
     """2: requests waiting in the gateways for a slot count as load (inflight_total, the fast warm-up signal).
     3: the vLLM tier keeps an instance until the load falls below C_down per instance (§5.1's hysteresis).
-    4: a drained instance of an alias whose router binds sessions is deleted after `drain_handoff_s` (reconcile)."""
+    4: a drained instance of an alias whose router binds sessions is deleted after `drain_handoff_s` (reconcile).
+    5: requests held for an instance to start keep at least one llama.cpp replica, whatever the floor (with
+    `llama_floor_replicas: 0` a held request waited out its hold for an instance nobody started)."""
 
     def propose(self, s: AliasSnapshot, now: datetime, new_window: bool) -> Proposal:
         cfg = hybrid_config(s)
@@ -413,7 +415,7 @@ class HybridPolicy:
                 wishes[FAST] = Wish(0, "COLD: no instance kept", RELEASE_AT_ONCE, _fast_pacing(
                     cfg.scale_up_cooldown_s, cfg.llama_scale_down_cooldown_s, cfg.scale_down_consecutive))
             else:
-                floor = max(cfg.llama_floor_replicas, fast_cfg.min_replicas)
+                floor = max(cfg.llama_floor_replicas, fast_cfg.min_replicas, 1 if load.waiting else 0)
                 serving = t.ready if state in (R.MIXED, R.VLLM_PRIMARY) else []
                 # What vLLM takes: its effective capacity, but never more than its share of the traffic.
                 taken = min(sum(c_eff(cfg.alpha, i.capacity or cap.c_vllm) for i in serving), weight * load.total)

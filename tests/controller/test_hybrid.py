@@ -68,6 +68,16 @@ def test_a_wave_held_through_the_cold_start_is_not_load_one_instance_starts():
     assert len([c for c in w.commands_sent if c[0] is Action.START]) == 1
 
 
+def test_held_requests_start_a_fast_instance_even_with_no_floor():
+    # Scaled to zero inside FAST_ONLY (floor 0, no min_replicas): a request held at a gateway starts one.
+    w = World(config=with_hybrid(alias_config(), llama_floor_replicas=0))
+    w.tick(1, demand=1)
+    assert w.routing is R.FAST_ONLY and len([c for c in w.commands_sent if c[0] is Action.START]) == 1
+    idle = World(config=with_hybrid(alias_config(), llama_floor_replicas=0))
+    idle.at(R.FAST_ONLY)
+    assert not actions(idle.tick(1), Action.START)  # nothing held, nothing kept
+
+
 def test_an_alias_without_a_fast_tier_is_served_by_vllm_from_cold():
     w = World(config=alias_config(fast=None))
     d = w.tick(1, demand=1)
