@@ -17,7 +17,7 @@ from routing.plugins.kv_aware import prefix_hit
 from routing.plugins.least_load import INFLIGHT_WEIGHT, least_inflight, least_pending_prefill
 from routing.plugins.round_robin import NextInTurn
 from routing.plugins.sticky import session_hash
-from routing.scheduler import Filter, Scheduler, Scorer, Weighted, has_room
+from routing.scheduler import Endpoint, Filter, Scheduler, Scorer, Weighted, has_room, tokens_text
 from shared.contracts.config import RouterConfig, RouterFilter, RouterScorer, ScorerConfig
 
 FILTERS: dict[RouterFilter, Callable[[RouterConfig], Filter]] = {
@@ -32,6 +32,13 @@ SCORERS: dict[RouterScorer, Callable[[], Scorer]] = {
     "prefix-hit": lambda: prefix_hit,
     "next-in-turn": NextInTurn,  # keeps whose turn it is: one per router
 }
+DESCRIPTIONS: dict[RouterScorer, Callable[[Endpoint], str]] = {
+    "least-pending-prefill": lambda e: f"{tokens_text(e.pending_prefill)} of prompt pending",
+    "least-inflight": lambda e: f"{e.inflight} of {e.capacity} slots busy" if e.capacity else f"{e.inflight} in flight",
+    "prefix-hit": lambda e: f"{tokens_text(e.cached_tokens)} cached",
+    "next-in-turn": lambda _: "next in turn",
+}
+"""What each scorer saw of the instance it decided for: the route an answer explains (`x-modelpool-route`)."""
 
 
 def preset(config: RouterConfig) -> tuple[tuple[RouterFilter, ...], tuple[ScorerConfig, ...]]:
@@ -65,7 +72,7 @@ def build_scheduler(config: RouterConfig, rng: random.Random) -> Scheduler:
     return Scheduler(
         f"{config.plugin} (custom)" if custom else config.plugin,
         [FILTERS[name](config) for name in filters],
-        [Weighted(SCORERS[s.name](), s.weight) for s in scorers if s.weight > 0],
+        [Weighted(SCORERS[s.name](), s.weight, DESCRIPTIONS[s.name]) for s in scorers if s.weight > 0],
         rng,
         binds_sessions=config.binds_sessions,
         per_session="session-hash" in filters,

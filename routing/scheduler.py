@@ -34,6 +34,8 @@ class Endpoint:
     """Tokens of this request's prompt the instance is expected to hold in its prefix cache."""
     kv_free_tokens: int | None = None
     """KV room left for another session's context; None when unknown (taken as enough)."""
+    capacity: int | None = None
+    """Concurrent requests the instance takes, as its engine reported; None when it has not said."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,8 @@ class Choice:
     instance_id: str
     moved_from: str | None = None
     reason: str = ""
+    why: str = ""
+    """Why this instance, in one short phrase (`session bound`, `2 of 8 slots busy`)."""
 
 
 Filter = Callable[[RoutingRequest, list[Endpoint]], list[Endpoint]]
@@ -86,6 +90,8 @@ def fewest(values: Sequence[float]) -> list[float]:
 class Weighted:
     scorer: Scorer
     weight: float
+    describe: Callable[[Endpoint], str] | None = None
+    """What this scorer saw of the instance it decided for, in a few words."""
 
 
 class Scheduler:
@@ -111,8 +117,11 @@ class Scheduler:
             if not candidates:
                 return None
         totals = [0.0] * len(candidates)
+        scores = []
         for weighted in self.scorers:
-            for i, score in enumerate(weighted.scorer(request, candidates)):
+            scored = weighted.scorer(request, candidates)
+            scores.append(scored)
+            for i, score in enumerate(scored):
                 totals[i] += weighted.weight * score
         top = max(totals)
         ties = [i for i, total in enumerate(totals) if total == top]
@@ -120,6 +129,30 @@ class Scheduler:
         picked = candidates[best].instance_id
         host = request.session.host
         if not self.binds_sessions or host is None or host == picked:
-            return Choice(picked, reason="bound" if host == picked and self.binds_sessions else "scored")
-        gone = all(e.instance_id != host for e in endpoints)
-        return Choice(picked, moved_from=host, reason="host_gone" if gone else "host_hot")
+            if host == picked and self.binds_sessions:
+                return Choice(picked, reason="bound", why="session bound")
+            return Choice(picked, reason="scored", why=self._why(candidates, scores, best, len(ties)))
+        if all(e.instance_id != host for e in endpoints):
+            return Choice(picked, moved_from=host, reason="host_gone", why="session's host gone, placed anew")
+        return Choice(picked, moved_from=host, reason="host_hot",
+                      why=f"moved off hot instance with {tokens_text(request.session.context_tokens)} of KV")
+
+    def _why(self, candidates: list[Endpoint], scores: list[list[float]], best: int, tied: int) -> str:
+        """The scorer that set the pick apart (the widest weighted lead over the runner-up), and what it saw."""
+        if len(candidates) == 1:
+            return "session hash" if self.per_session and not self.binds_sessions else "the only instance with room"
+        lead, decisive = 0.0, None
+        for weighted, scored in zip(self.scorers, scores):
+            runner_up = max(score for i, score in enumerate(scored) if i != best)
+            if weighted.weight * (scored[best] - runner_up) > lead:
+                lead, decisive = weighted.weight * (scored[best] - runner_up), weighted
+        if decisive is None:  # no scorer told them apart: the draw did
+            first = self.scorers[0] if self.scorers else None
+            seen = first.describe(candidates[best]) + ", " if first is not None and first.describe else ""
+            return f"{seen}{tied} of {len(candidates)} tied, drawn"
+        return decisive.describe(candidates[best]) if decisive.describe else "highest score"
+
+
+def tokens_text(tokens: int) -> str:
+    """3.1k tokens, 512 tokens."""
+    return f"{tokens / 1000:.1f}k tokens" if tokens >= 1000 else f"{tokens} tokens"

@@ -53,3 +53,21 @@ def test_filters_of_ones_own_keep_sessions_and_never_pass_an_instances_capacity(
 def test_a_router_list_that_cannot_work_is_refused_naming_it(router, error):
     with pytest.raises(ValidationError, match=error):
         make_router("least-load", **router)
+
+
+def test_every_choice_says_why_in_the_words_of_what_decided_it():
+    def why(router, pool, **asked) -> str:
+        return make_router(router).choose(request(**asked), pool).why
+
+    busy = endpoints(0, 0, 0, inflight=[5, 2, 7], capacity=[8, 8, 8])
+    assert why("least-load", busy) == "2 of 8 slots busy"  # no prefill pending anywhere: requests in flight decided
+    assert why("least-load", endpoints(4000, 1200)) == "1.2k tokens of prompt pending"
+    assert why("kv-aware", endpoints(0, 0, cached_tokens=[0, 2048])) == "2.0k tokens cached"
+    assert why("least-load", endpoints(0, 0, inflight=[1, 1])) == "0 tokens of prompt pending, 2 of 2 tied, drawn"
+    assert why("least-load", endpoints(0, 9, full=[False, True])) == "the only instance with room"
+    assert why("sticky", endpoints(0, 0)) == "session hash"
+    assert why("round-robin", endpoints(0, 0)) == "next in turn"
+    assert why("ear", endpoints(0, 0), host="i1") == "session bound"
+    assert why("ear", endpoints(0, 0), host="i9") == "session's host gone, placed anew"
+    hot = endpoints(0, 0, inflight=[0, 8], full=[False, True])
+    assert why("ear", hot, host="i1", context_tokens=3100, moved_at=0.0) == "moved off hot instance with 3.1k tokens of KV"

@@ -183,6 +183,16 @@ async def test_lifecycle_over_the_engine_http_api(worker, store):
             await client.get(f"{endpoint}/health")
 
 
+async def test_a_start_records_when_the_engine_answers_and_loads_its_model(make_worker, store):
+    """llama.cpp answers 503 while it loads: the worker records it once; vLLM binds its port only once loaded."""
+    worker = await make_worker(sim_speedup=1.0, sim_startup_s=1.0)
+    await asyncio.gather(running(worker, start("f1", F)), running(worker, start("v1", V)))
+    f1 = [e.type if e.type != "InstanceStateChanged" else e.payload["to_state"]
+          for e in await store.read_stream("instance:f1") if e.type != "InstanceCommandCompleted"]
+    assert f1 == ["STARTING", "InstanceLoading", "RUNNING"]
+    assert "InstanceLoading" not in {e.type for e in await store.read_stream("instance:v1")}
+
+
 async def test_a_drain_from_sleep_records_the_level_it_sleeps_at(worker, store):
     # The controller reads it: an instance drained from sleep has no KV left to hand over, and is deleted at once.
     await worker.handle(Envelope.wrap(start("v1")), start("v1"))

@@ -10,7 +10,8 @@ has been draining.
 How long a request waits depends on what it waits for (`place`): a slot on a
 running instance (the queue timeout, then 408) or an instance to start at all
 (the alias's start budget from `starts.py`, then 503, with the stream's headers
-sent at once and keep-alives while it waits). A request sent again after a
+sent at once and, while it waits, comments saying where the start stands: phase
+and ETA; a whole answer says how long it waited in `x-modelpool-cold-start-ms`). A request sent again after a
 failure (`move`) gives its slot back here and takes another of the same
 backend, so no slot changes hands anywhere else.
 
@@ -35,6 +36,7 @@ from services.gateway.context import Refused, RequestContext
 from services.gateway.meter import Meter
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import NO_PROMPT, Ask, Router, Slot
+from services.gateway.starts import StartProgress
 from shared.contracts.messages import utcnow
 from shared.contracts.telemetry import DemandSignal
 from shared.faults import Outage
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 DEMAND_INTERVAL_S = 1.0
 RETRY_AFTER_S = 2
 """Told to a client whose hold expired; a retry is held again, so a short wait loses nothing."""
+PROGRESS_S = 1.0
+"""How often a stream held through a cold start is told where the start stands (or at its keep-alive, if sooner)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -83,7 +87,7 @@ class Admission:
     def __init__(self, router: Router, meter: Meter, metrics: GatewayMetrics,
                  publish_demand: Callable[[DemandSignal], Awaitable[None]], gateway_id: str, queue_size: int,
                  clock: Callable[[], float], queue_timeout_s: float, start_budget_s: Callable[[str], float],
-                 keepalive_s: float) -> None:
+                 keepalive_s: float, start_progress: Callable[[str], StartProgress] | None = None) -> None:
         self.router = router
         self.meter = meter
         self.metrics = metrics
@@ -94,6 +98,8 @@ class Admission:
         self.queue_timeout_s = queue_timeout_s
         self.start_budget_s = start_budget_s
         self.keepalive_s = keepalive_s
+        self.start_progress = start_progress or (lambda alias: StartProgress("placing", None))
+        """Where an alias's start stands (`starts.py`), for the clients it holds."""
         self.queues: dict[str, AliasQueue] = {}
 
     # ------------------------------------------------------------------ the stage
@@ -134,16 +140,23 @@ class Admission:
             self.give_back(slot)
 
     async def _hold(self, ctx: RequestContext, client: ClientStream, waiter: Waiter) -> Slot:
-        """Wait in the alias's queue for a slot; `Refused` when the wait's budget runs out first."""
+        """Wait in the alias's queue for a slot; `Refused` when the wait's budget runs out first. While nothing of
+        the alias is routable, a stream is told where the start stands every `PROGRESS_S` (or keep-alive)."""
         outcome = "left"
+        progress_due = waiter.entered
         try:
             while True:
                 routable = self.router.routable(ctx.alias)
+                now = self.clock()
                 if not routable:
+                    ctx.cold_start_ms = round((now - waiter.entered) * 1000)
                     await client.hold()
+                    if now >= progress_due:
+                        await client.keepalive(self.start_progress(ctx.alias).comment(now - waiter.entered))
+                        progress_due = now + min(PROGRESS_S, self.keepalive_s)
                 budget = self.queue_timeout_s if routable else self.start_budget_s(ctx.alias)
                 deadline = waiter.entered + budget
-                remaining = deadline - self.clock()
+                remaining = deadline - now
                 if remaining <= 0:
                     if routable:
                         outcome = "timeout"
@@ -151,14 +164,17 @@ class Admission:
                             f"no slot on an instance of `{ctx.alias}` freed within {budget:g} s (queue timeout); "
                             "retry later"), RequestOutcome.QUEUE_TIMEOUT)
                     outcome = "expired"
-                    raise Refused(alias_starting(ctx.alias, self.clock() - ctx.trace.arrived),
-                                  RequestOutcome.HOLD_EXPIRED)
-                # Woken early by a slot; otherwise at the deadline or the next keep-alive, to look again.
-                slot = await self.wait(waiter, min(remaining, self.keepalive_s))
+                    raise Refused(alias_starting(ctx.alias, now - ctx.trace.arrived), RequestOutcome.HOLD_EXPIRED)
+                # Woken early by a slot; otherwise at the deadline, the next keep-alive or progress, to look again.
+                slot = await self.wait(waiter, min(remaining, self.keepalive_s if routable else progress_due - now))
                 if slot is not None:
                     outcome = "served"
+                    if ctx.cold_start_ms is not None:
+                        waited = self.clock() - waiter.entered
+                        ctx.cold_start_ms = round(waited * 1000)
+                        await client.keepalive(StartProgress("ready", None, slot.backend).comment(waited))
                     return slot
-                if self.clock() < deadline:
+                if routable and self.clock() < deadline:
                     await client.keepalive()
         finally:
             self.leave(waiter, outcome)

@@ -58,17 +58,18 @@ from services.gateway.proxy import Proxy
 from services.gateway.resume import StreamTranscript
 from services.gateway.routing import Ask, Router, Slot
 from services.gateway.sessions import Sessions
-from services.gateway.starts import StartTimes
+from services.gateway.starts import StartProgress, StartTimes
 from shared.bus.telemetry import TelemetryBus
 from shared.client_gone import client_gone
 from shared.contracts.backends import BackendType, engine_label
 from shared.contracts.config import PoolConfig
+from shared.contracts.messages import utcnow
 from shared.contracts.states import RoutingState
 from shared.eventlog.store import StoredEvent
 from shared.metering import RequestOutcome, RequestTrace
 from shared.openai_protocol import APIError, BackendCard, ModelCard, ModelList, internal_error
 from shared.projections.live import LiveView
-from shared.projections.readmodels import ROUTING, SESSIONS
+from shared.projections.readmodels import INSTANCES, ROUTING, SESSIONS
 from shared.settings import Settings
 from shared.telemetry import Telemetry
 
@@ -107,11 +108,16 @@ class Gateway:
         self.starts = StartTimes(self.config.hold_timeout_s)
         self.admission = Admission(self.router, self.meter, self.metrics, bus.publish_demand, self.gateway_id,
                                    self.config.queue_size, self.clock, self.config.queue_timeout_s,
-                                   self.starts.budget_s, self.config.hold_keepalive_s)
+                                   self.starts.budget_s, self.config.hold_keepalive_s, self.start_progress)
         self.pre_request = PreRequest(self.router, self.sessions, view, client, self.metrics, self.clock)
         self.proxy = Proxy(client, self.config, self.router, self.metrics, self.telemetry, self.clock, self._reroute)
         self.post_response = PostResponse(self.admission, self.router, self.sessions, self.metrics)
         self.handoff = Handoff(self.router, self.sessions, view, client, self.metrics, self.clock)
+
+    def start_progress(self, alias: str) -> StartProgress:
+        """Where the start of an alias with nothing routable stands, as a held client is told."""
+        config = self.router.config(alias)
+        return self.starts.progress(alias, config.backends if config else (), self.view[INSTANCES].values(), utcnow())
 
     async def start(self) -> None:
         """Read past start times, then follow the view; call after the view has loaded and before serving."""

@@ -54,9 +54,10 @@ class ClientStream:
         if self.stream and not self.started:
             await self.start(200, SSE_HEADERS)
 
-    async def keepalive(self) -> None:
+    async def keepalive(self, comment: bytes = KEEPALIVE) -> None:
+        """A comment line on a held stream whose headers are out (`: keep-alive`, or where a cold start stands)."""
         if self.started:
-            await self.send(KEEPALIVE)
+            await self.send(comment)
 
     async def end_with(self, exc: APIError) -> None:
         """End a stream whose 200 is out with an error event."""

@@ -50,6 +50,18 @@ class RequestContext:
     """The engine's answer was read to its end: its connection can serve another request."""
     engine: str | None = None
     usage: Usage | None = None
+    retried_after: list[str] = field(default_factory=list)
+    """What made the gateway send the request again, each time (`503`, `broken connection`)."""
+    cold_start_ms: int | None = None
+    """How long the request was held for its alias to come up, when it was (told to the client)."""
+
+
+    @property
+    def route(self) -> str | None:
+        """Why the request went where it did (`x-modelpool-route`): its slot's reasons, then each retry's."""
+        if self.slot is None:
+            return None
+        return "; ".join([self.slot.route, *(f"retry after {why}" for why in self.retried_after)])
 
 
 class Refused(Exception):

@@ -35,7 +35,7 @@ class PostResponse:
         self.metrics.request(ctx.alias, backend, outcome.value, status)
         if outcome is RequestOutcome.OK and trace.backend is not None:
             self.metrics.served(ctx.alias, backend, trace.ttft_s, trace.ended - trace.arrived, trace.tpot_s)
-        slot = ctx.slot
+        slot, route = ctx.slot, ctx.route  # before the slot is given back
         if slot is not None:
             if ctx.usage is not None and outcome is RequestOutcome.OK:
                 self.router.tokens.observe(ctx.alias, ctx.ask.prompt.size_bytes, ctx.usage[0])
@@ -59,7 +59,7 @@ class PostResponse:
             "request_id": ctx.request_id, "alias": ctx.alias, "path": ctx.path, "stream": ctx.stream,
             "status": status, "outcome": outcome.value, "instance": instance, "backend": backend,
             "engine": ctx.engine, "retries": max(0, ctx.attempts - 1), "session": ctx.ask.prompt.session_id,
-            "moved_from": slot.moved_from if slot else None,
+            "moved_from": slot.moved_from if slot else None, "route": route,
             "queue_s": round(trace.dispatched_at - trace.arrived, 4) if trace.dispatched_at is not None else None,
             "ttft_s": round(trace.ttft_s, 4) if trace.ttft_s is not None else None,
             "e2e_s": round(trace.ended - trace.arrived, 4),

@@ -132,6 +132,7 @@ class Proxy:
             if response is not None:
                 response.close()
             self.metrics.retried(ctx.alias, slot.backend.value, reason or "refused")
+            ctx.retried_after.append(RETRY_REASONS.get(reason or "refused", reason or "refused"))
 
     async def _send_to(self, ctx: RequestContext, slot: Slot, payload: bytes) -> tuple[aiohttp.ClientResponse, bytes]:
         """Post `payload` to `slot`'s instance; the response and what is read of it before anything is relayed:
@@ -179,9 +180,10 @@ class Proxy:
                 # A held stream: its headers went out before an instance was chosen. Say which one
                 # serves it, as SSE comments carry it (clients skip comment lines).
                 await client.send(f": modelpool instance={instance.instance_id} "
-                                  f"backend={instance.backend_type.value} engine={ctx.engine}\n\n".encode())
+                                  f"backend={instance.backend_type.value} engine={ctx.engine}\n\n"
+                                  f": modelpool route: {ctx.route}\n\n".encode())
             else:
-                await client.start(200, [*SSE_HEADERS, *served_by(instance, ctx.engine)])
+                await client.start(200, [*SSE_HEADERS, *served_by(ctx, instance)])
             return await self._relay_events(ctx, client, response)
         # A whole answer (or an engine's error), read before anything is sent (`_send_to`): an
         # engine that fails midway is retried elsewhere, or a 502 with an error body, never a truncated answer.
@@ -194,7 +196,8 @@ class Proxy:
             ctx.usage = usage_of_body(body)
         await client.start(status, [
             (b"content-type", response.headers.get("content-type", "application/json").encode()),
-            *served_by(instance, ctx.engine)])
+            *served_by(ctx, instance),
+            *([(COLD_START_HEADER, str(ctx.cold_start_ms).encode())] if ctx.cold_start_ms is not None else [])])
         await client.send(body, more=False)
         return outcome_of(status)
 
@@ -261,6 +264,7 @@ class Proxy:
                                            type="api_error", code="stream_broken"))
             return None
         self.metrics.retried(ctx.alias, slot.backend.value, "resumed")
+        ctx.retried_after.append(RETRY_REASONS["resumed"])
         try:
             response = await self._connect(ctx, client, orjson.dumps(body))
         except Refused as refused:
@@ -275,10 +279,22 @@ class Proxy:
         return response
 
 
-def served_by(instance: InstanceRow, engine: str | None) -> list[tuple[bytes, bytes]]:
-    return [(b"x-modelpool-instance", instance.instance_id.encode()),
-            (b"x-modelpool-backend", instance.backend_type.value.encode()),
-            (ENGINE_HEADER.encode(), (engine or instance.engine.value).encode())]
+RETRY_REASONS = {"refused": "connection refused", "broke": "broken connection", "withdrawn": "instance gone",
+                 "unavailable": "503", "resumed": "broken stream, resumed"}
+"""A retry's reason as the route explains it."""
+ROUTE_HEADER = b"x-modelpool-route"
+"""Which instance and backend served, which router, and why: `llama.cpp f1; least-load: 2 of 8 slots busy`."""
+COLD_START_HEADER = b"x-modelpool-cold-start-ms"
+"""On a whole answer held through a cold start: how long it waited (a stream is told in comments as it waits)."""
+
+
+def served_by(ctx: RequestContext, instance: InstanceRow) -> list[tuple[bytes, bytes]]:
+    headers = [(b"x-modelpool-instance", instance.instance_id.encode()),
+               (b"x-modelpool-backend", instance.backend_type.value.encode()),
+               (ENGINE_HEADER.encode(), (ctx.engine or instance.engine.value).encode())]
+    if ctx.route:
+        headers.append((ROUTE_HEADER, ctx.route.encode()))
+    return headers
 
 
 async def _chunks(head: bytes, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

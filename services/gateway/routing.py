@@ -70,6 +70,8 @@ class Slot:
     moved_from: str | None = None
     """Set when the router moves the request's session here from another host."""
     reason: str = ""
+    route: str = ""
+    """Why this instance, as the answer explains it (`x-modelpool-route`): the router's reason, the tier's."""
     binds: bool = False
     """The alias's router binds sessions: the session's host is recorded."""
     withdrawn: bool = False
@@ -96,6 +98,18 @@ class Slot:
 
 GIVEN_UP = frozenset({InstanceState.ERROR, InstanceState.ABSENT})
 """Instance states in which an engine answers nothing more: requests waiting on it are withdrawn."""
+
+
+def tier_reason(state: RoutingState, mix_weight: float, first: BackendType, backend: BackendType) -> str:
+    """Why the request went to `backend`'s tier, where the routing state left a choice (else nothing)."""
+    if state is RoutingState.MIXED:
+        share = f"mix: {BackendType.VLLM.value} step {round(mix_weight * 100)} %"
+        return share if backend is first else f"{share}, {first.value} full"
+    if state is RoutingState.COLD:
+        return "cold: the first tier up"
+    if backend is not first:
+        return f"{state.value}: {first.value} full, {backend.value} the floor"
+    return ""
 
 
 def _has_room(row: InstanceRow, inflight: int) -> bool:
@@ -185,10 +199,16 @@ class Router:
 
     def take(self, alias: str, ask: Ask = NO_PROMPT) -> Slot | None:
         """A slot for one request of `alias`, or None when no instance it may use may take it now."""
-        backends = (ask.backend,) if ask.backend else backend_order(*self.state(alias), self.rng.random())
+        if ask.backend:
+            return self.take_in(alias, ask.backend, ask, ask.avoid)
+        state, weight = self.state(alias)
+        backends = backend_order(state, weight, self.rng.random())
         for backend in backends:
             slot = self.take_in(alias, backend, ask, ask.avoid)
             if slot is not None:
+                tier = tier_reason(state, weight, backends[0], backend)
+                if tier:
+                    slot.route = f"{slot.route}; {tier}"
                 return slot
         return None
 
@@ -220,7 +240,8 @@ class Router:
         self.pending[instance_id] = self.pending.get(instance_id, 0) + pending
         limit = row.capacity and kv_len and self._blocks_of(alias, row.capacity * kv_len)
         self.index.sent(instance_id, ask.prompt.blocks, limit or None)
-        slot = Slot(backend, row, ask, pending, choice.moved_from, choice.reason, scheduler.binds_sessions)
+        slot = Slot(backend, row, ask, pending, choice.moved_from, choice.reason,
+                    f"{backend.value} {instance_id}; {scheduler.name}: {choice.why}", scheduler.binds_sessions)
         self.slots.setdefault(instance_id, set()).add(slot)
         return slot
 
@@ -255,7 +276,7 @@ class Router:
             resident = self.sessions.kv_resident(instance_id) if self.sessions is not None else 0
             kv_free = row.capacity * kv_len - resident
         return Endpoint(instance_id, inflight, not _has_room(row, inflight), self.pending.get(instance_id, 0),
-                        self._cached_tokens(row.alias, instance_id, ask) if reads_cache else 0, kv_free)
+                        self._cached_tokens(row.alias, instance_id, ask) if reads_cache else 0, kv_free, row.capacity)
 
     def _cached_tokens(self, alias: str, instance_id: str, ask: Ask) -> int:
         blocks = self.index.matched(instance_id, ask.prompt.blocks)

@@ -19,6 +19,7 @@ from shared.contracts.events import (
     AliasConfigured,
     ColdStartCompleted,
     InstanceCommandCompleted,
+    InstanceLoading,
     InstanceLoadReported,
     InstanceStateChanged,
     MixWeightChanged,
@@ -71,6 +72,8 @@ def summarize(event: Event) -> str:
             return f"instance {instance} ({backend.value} on {worker}) {a.value} -> {b.value}: {reason}"
         case InstanceCommandCompleted(instance_id=instance, action=action, outcome=outcome, detail=detail):
             return f"instance {instance} {action.value} -> {outcome.value}" + (f": {detail}" if detail else "")
+        case InstanceLoading(instance_id=instance, backend_type=backend, worker_id=worker):
+            return f"instance {instance} ({backend.value} on {worker}) loading: its engine answers, the model loads"
         case InstanceLoadReported(instance_id=instance, inflight=inflight, capacity=capacity):
             return f"instance {instance} inflight {inflight} / capacity {capacity}"
         case SessionBound(session_id=session, instance_id=instance):

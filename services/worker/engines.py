@@ -19,6 +19,7 @@ import re
 import signal
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -215,19 +216,25 @@ class EngineProcess:
     async def wait_exit(self) -> int:
         return await self.process.wait()
 
-    async def wait_healthy(self, timeout_s: float) -> None:
+    async def wait_healthy(self, timeout_s: float, loading: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Until `/health` answers 200; `loading` is called once at its first other answer (the engine is up and
+        loads its model: llama.cpp's 503 `loading`)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         port = int(self.endpoint.rsplit(":", 1)[1])
         while True:
             if not self.alive:
                 raise EngineError(f"engine exited with code {self.exit_code} while starting")
             with contextlib.suppress(httpx.HTTPError):
-                if (await self.client.get("/health", timeout=2.0)).status_code == 200:
-                    # The port was free when it was chosen, not necessarily when the engine
-                    # bound it: make sure the answer came from our engine, not a stranger.
-                    if listens_elsewhere(self.process.pid, port):
-                        raise EngineError(f"port {port} was taken by another process before the engine could bind it")
+                status = (await self.client.get("/health", timeout=2.0)).status_code
+                # The port was free when it was chosen, not necessarily when the engine
+                # bound it: make sure the answer came from our engine, not a stranger.
+                if (status == 200 or loading is not None) and listens_elsewhere(self.process.pid, port):
+                    raise EngineError(f"port {port} was taken by another process before the engine could bind it")
+                if status == 200:
                     return
+                if loading is not None:
+                    await loading()
+                    loading = None
             if asyncio.get_running_loop().time() > deadline:
                 raise EngineError(f"engine not healthy after {timeout_s:.0f} s")
             await asyncio.sleep(0.2)

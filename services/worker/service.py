@@ -42,6 +42,7 @@ from shared.contracts.commands import (
 )
 from shared.contracts.events import (
     InstanceCommandCompleted,
+    InstanceLoading,
     InstanceStateChanged,
     WorkerDeregistered,
     WorkerLost,
@@ -261,8 +262,16 @@ class Worker:
 
     async def _finish_start(self, envelope: Envelope, inst: Instance, process: EngineProcess, healthy: S) -> None:
         failure = None
+
+        async def loading() -> None:
+            async with self._lock(inst.instance_id):
+                if inst.process is process and inst.state is S.STARTING:
+                    await self._append(f"instance:{inst.instance_id}", [Envelope.wrap(InstanceLoading(
+                        instance_id=inst.instance_id, alias=inst.alias, backend_type=inst.backend_type,
+                        worker_id=self.worker_id), causation=envelope, id=derived_id(envelope.id, "loading"))])
+
         try:
-            await process.wait_healthy(self.health_timeout_s)
+            await process.wait_healthy(self.health_timeout_s, loading)
         except EngineError as exc:
             failure = str(exc)
         else:

@@ -290,6 +290,21 @@ class InstanceStateChanged(Event):
         return self
 
 
+class InstanceLoading(Event):
+    """A STARTING instance's engine process answers and loads its model (its `/health` says not ready yet): the
+    start's process part is done. Engines that bind their port only once loaded (vLLM) never record it."""
+
+    TYPE = "InstanceLoading"
+    CATEGORY = "instance"
+    instance_id: str
+    alias: str
+    backend_type: BackendType
+    worker_id: str
+
+    def stream_key(self) -> str:
+        return self.instance_id
+
+
 class InstanceLoadReported(Event):
     """An instance's load, as workers once recorded it on every change. No longer written:
     load is telemetry and travels on the bus (docs/bus.md); old events still read."""
@@ -375,6 +390,7 @@ EVENTS: tuple[type[Event], ...] = (
     PlacementDecided,
     PlacementFailed,
     InstanceStateChanged,
+    InstanceLoading,
     InstanceLoadReported,
     InstanceCommandCompleted,
     SessionBound,

@@ -149,8 +149,9 @@ async def test_each_request_is_one_access_log_line_with_what_served_it(engines, 
     gateway = await gateways.start()
     caplog.set_level(logging.INFO, logger="modelpool.access")
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
-        await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "plain-1"})
-        await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers={"x-request-id": "stream-1"})
+        answered = await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "plain-1"})
+        streamed = await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
+                                     headers={"x-request-id": "stream-1"})
         await client.post("/v1/chat/completions", json={"model": ALIAS}, headers={"x-request-id": "bad-1"})
     lines = {r["request_id"]: r for r in (json.loads(m.getMessage()) for m in caplog.records if m.name == "modelpool.access")}
     assert set(lines) == {"plain-1", "stream-1", "bad-1"}
@@ -160,7 +161,11 @@ async def test_each_request_is_one_access_log_line_with_what_served_it(engines, 
         assert line["instance"] == "f1" and line["backend"] == "llama.cpp" and line["engine"] == "simulated-llama.cpp"
         assert line["e2e_s"] > 0 and line["queue_s"] >= 0 and line["completion_tokens"] >= 1 and line["prompt_tokens"] >= 1
     assert stream["stream"] is True and 0 < stream["ttft_s"] <= stream["e2e_s"]
-    assert lines["bad-1"]["status"] == 400 and lines["bad-1"]["outcome"] == "rejected"
+    assert lines["bad-1"]["status"] == 400 and lines["bad-1"]["outcome"] == "rejected" and "route" not in lines["bad-1"]
+    # Why it went there: the header and the line say the same.
+    for line, response in ((plain, answered), (stream, streamed)):
+        assert line["route"] == response.headers["x-modelpool-route"]
+        assert line["route"] == "llama.cpp f1; least-load: the only instance with room"
 
 
 async def test_an_image_request_reaches_the_simulated_vision_language_engine(engines, facts, gateways):

@@ -47,6 +47,10 @@ async def test_an_engine_503_is_retried_once_on_another_instance_of_the_same_bac
             retried = metric(await gateway.metrics(), "modelpool:retries_total", alias=ALIAS, backend="vllm",
                              reason="unavailable")
             assert 1 <= retried <= 12
+            # The answers that were sent again say so, after why they went to the instance that served them.
+            routes = [a.headers["x-modelpool-route"] for a in answers]
+            assert sum(route.endswith("; retry after 503") for route in routes) == retried
+            assert all(route.startswith("vllm v-awake; ") for route in routes)
 
             # Alone in its tier, the sleeping instance's 503 reaches the client: never sent to the other backend.
             await facts.running("f-other", other_tier, FAST)

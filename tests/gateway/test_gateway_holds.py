@@ -6,14 +6,19 @@ import asyncio
 import json
 import re
 import time
+import uuid
 from datetime import datetime, timedelta, timezone
 
 import httpx
 import openai
+from langchain_core.messages import HumanMessage
+from langchain_openai import ChatOpenAI
 from gateway_support import ALIAS, FAST, SLOW
 
 from helpers import eventually
 from shared.contracts.config import PoolConfig
+from shared.contracts.events import PlacementRequested
+from shared.contracts.messages import Envelope
 from shared.contracts.states import InstanceState as I, RoutingState as R
 
 CHAT = {"model": ALIAS, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
@@ -66,10 +71,13 @@ async def test_held_requests_are_answered_once_an_instance_runs(engines, facts, 
         assert stream.response.status_code == 200 and stream.response.headers["content-type"].startswith("text/event-stream")
         await asyncio.sleep(1.3)
         assert len(demand) >= 2 and max(d.held for _, d in demand) == 2
-        assert stream.text().count(": keep-alive") >= 4 and not plain.done()
+        # Nothing measured yet: the phase without an ETA, every second.
+        placing = [line for line in stream.text() if line.startswith(": modelpool cold-start phase=placing waited_ms=")]
+        assert len(placing) >= 2 and not plain.done()
 
         await facts.instance("f1", FAST, I.STARTING, endpoint=engines[FAST][0].url)  # starting is not serving
-        await gateway.caught_up()
+        await eventually(lambda: stream.text()[-1].startswith(
+            ": modelpool cold-start phase=starting backend=llama.cpp waited_ms="), timeout=3)
         await asyncio.sleep(0.3)
         assert not plain.done() and not stream.data()
 
@@ -83,7 +91,10 @@ async def test_held_requests_are_answered_once_an_instance_runs(engines, facts, 
     assert served[0] - ran < 1.0  # woken by the view catching up, not by a slow poll
     assert stream.text()[-1] == "data: [DONE]" and "".join(c["choices"][0]["delta"].get("content") or ""
                                                              for c in stream.data() if c["choices"])
-    assert all(": keep-alive" == line for t, line in stream.lines if t < ran)
+    assert all(line.startswith(": modelpool cold-start phase=") for t, line in stream.lines if t < ran)
+    assert [line for line in stream.text() if "phase=ready" in line][0].startswith(
+        ": modelpool cold-start phase=ready backend=llama.cpp waited_ms=")
+    assert int(answer.headers["x-modelpool-cold-start-ms"]) >= 1300  # held from before the 1.3 s above
 
     signals = len(demand)
     await asyncio.sleep(1.3)
@@ -96,6 +107,47 @@ async def test_held_requests_are_answered_once_an_instance_runs(engines, facts, 
     assert max(w.held for w in windows) == 2 and max(w.queue_len for w in windows) > 1
     assert sum(w.requests_fast for w in windows) == 2 and sum(w.errors_gateway for w in windows) == 0
     assert max(w.queue_wait_s.maximum for w in windows) > 1.5  # the hold is queue wait
+
+
+async def test_a_held_client_is_told_the_phase_and_an_eta_from_the_alias_measured_starts(engines, facts, gateways):
+    await facts.alias()
+    earlier = datetime.now(timezone.utc) - timedelta(minutes=5)
+    # The alias's last llama.cpp instance: placed, then 4 s STARTING -> RUNNING; 5 s from placement to serving.
+    placed = PlacementRequested(request_id=uuid.uuid4(), alias=ALIAS, backend_type=FAST, instance_id="f0", gpu_memory_gb=0)
+    await facts.store.append(f"placement:{placed.request_id}", [Envelope.wrap(placed, occurred_at=earlier)])
+    await facts.instance("f0", FAST, I.STARTING, I.RUNNING, I.DRAINING, I.DELETING, I.ABSENT, endpoint="http://127.0.0.1:9",
+                         at=[earlier + timedelta(seconds=s) for s in (1, 5, 60, 61, 62)])
+    gateway = await gateways.start(hold_timeout_s=30.0, hold_keepalive_s=5.0)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        stream = Stream(client, {**CHAT, "stream": True})
+        plain = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+        await eventually(lambda: any("cold-start" in line for line in stream.text()), timeout=2)
+        placing = progress(stream.text()[-1])
+        assert placing["phase"] == "placing" and placing["backend"] == "llama.cpp" and placing["eta_ms"] == 5000
+
+        # An instance has been starting for a second: 4 s measured, about 3 s to go.
+        await facts.instance("f1", FAST, I.STARTING, endpoint=engines[FAST][0].url,
+                             at=[datetime.now(timezone.utc) - timedelta(seconds=1)])
+        await eventually(lambda: progress(stream.text()[-1])["phase"] == "starting", timeout=3)
+        starting = progress(stream.text()[-1])
+        assert starting["backend"] == "llama.cpp" and 1800 <= starting["eta_ms"] <= 3000, starting
+        await asyncio.sleep(1.1)  # counting down
+        assert progress(stream.text()[-1])["eta_ms"] <= starting["eta_ms"] - 700
+
+        await facts.instance("f1", FAST, I.RUNNING, endpoint=engines[FAST][0].url)
+        answer = await asyncio.wait_for(plain, 5)
+        await asyncio.wait_for(stream.task, 5)
+    ready = [progress(line) for line in stream.text() if "phase=ready" in line]
+    assert len(ready) == 1 and ready[0]["backend"] == "llama.cpp" and ready[0]["waited_ms"] >= 1500
+    assert answer.status_code == 200 and int(answer.headers["x-modelpool-cold-start-ms"]) >= 1500
+    assert stream.data() and stream.text()[-1] == "data: [DONE]"
+
+
+def progress(line: str) -> dict:
+    """The fields of a `: modelpool cold-start` comment line."""
+    assert line.startswith(": modelpool cold-start "), line
+    fields = dict(part.split("=", 1) for part in line.split()[3:])
+    return {k: v if k in ("phase", "backend") else int(v) for k, v in fields.items()}
 
 
 async def test_a_request_for_sleeping_instances_is_held_until_one_wakes(engines, facts, gateways):
@@ -128,7 +180,7 @@ async def test_an_expired_hold_is_a_503_with_retry_after_or_an_error_event_in_th
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == "alias_starting" and "starting" in error["message"] and ALIAS in error["message"]
 
-    assert stream.response.status_code == 200 and ": keep-alive" in stream.text()
+    assert stream.response.status_code == 200 and ": modelpool cold-start phase=placing waited_ms=0" in stream.text()
     assert stream.text()[-1] == "data: [DONE]"
     (last,) = stream.data()
     assert last["error"]["code"] == "alias_starting"
@@ -171,7 +223,7 @@ async def test_a_client_that_leaves_while_held_is_let_go(facts, gateways):
             await client.post("/v1/chat/completions", json=CHAT, timeout=0.5)
         except httpx.ReadTimeout:
             pass
-        await eventually(lambda: ": keep-alive" in stream.text(), timeout=2)
+        await eventually(lambda: any(line.startswith(": modelpool cold-start") for line in stream.text()), timeout=2)
         stream.task.cancel()  # the streaming client hangs up too
 
     async def released() -> bool:
@@ -189,13 +241,14 @@ async def test_a_client_that_leaves_while_held_is_let_go(facts, gateways):
     assert re.search(r'modelpool:requests_total\{alias="tiny",backend="none",outcome="client_left",status="none"\} 1', text)
 
 
-async def test_the_openai_sdk_waits_through_a_hold(engines, facts, gateways):
+async def test_the_openai_sdk_and_langchain_wait_through_a_hold_and_its_progress_comments(engines, facts, gateways):
     await facts.alias()
-    gateway = await gateways.start(hold_keepalive_s=0.2, hold_timeout_s=5.0)
+    gateway = await gateways.start(hold_keepalive_s=0.2, hold_timeout_s=8.0)
     sdk = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    chat = ChatOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", model=ALIAS, max_tokens=5, max_retries=0)
     try:
         async def later_running() -> None:
-            await asyncio.sleep(0.8)
+            await asyncio.sleep(2.3)  # three progress comments, then the ready one
             await facts.running("f1", engines[FAST][0], FAST)
 
         async def consume() -> str:
@@ -203,8 +256,11 @@ async def test_the_openai_sdk_waits_through_a_hold(engines, facts, gateways):
                                                        max_tokens=5, stream=True)
             return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
-        text, _ = await asyncio.gather(consume(), later_running())
-        assert text
+        async def consume_langchain() -> str:
+            return "".join([part.content async for part in chat.astream([HumanMessage(content="Count")])])
+
+        text, chained, _ = await asyncio.gather(consume(), consume_langchain(), later_running())
+        assert text and chained
 
         # The same alias, cold again: the SDK sees the expiry as an API error, in the stream or not.
         await facts.instance("f1", FAST, I.DRAINING)

@@ -33,6 +33,7 @@ async def test_a_mix_weight_of_a_half_splits_traffic_and_a_step_is_followed_with
                 response = await client.post("/v1/chat/completions", json=CHAT)
                 assert response.status_code == 200, response.text
                 backends[response.headers["x-modelpool-backend"]] += 1
+                assert response.headers["x-modelpool-route"].endswith("; mix: vllm step 50 %")
 
         await asyncio.gather(*(one() for _ in range(200)))
         # Binomial(200, 0.5): 4 standard deviations either side.

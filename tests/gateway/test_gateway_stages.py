@@ -67,7 +67,7 @@ async def test_a_cold_alias_holds_a_stream_with_its_headers_and_keepalives_then_
     assert refused.value.outcome is RequestOutcome.HOLD_EXPIRED and refused.value.error.status == 503
     assert refused.value.error.headers["Retry-After"]
     assert sent.status == 200  # the stream began before any instance was there
-    assert sent.body.count(b": keep-alive") >= 2
+    assert sent.body.count(b": modelpool cold-start phase=placing") >= 2  # at each keep-alive: where the start stands
     assert ctx.slot is None and admission.waiting("tiny") == 0 and signals  # demand was signalled meanwhile
     await client.refuse(refused.value.error)  # its 200 is out: the refusal is an error event, then the end
     assert b'"code":"alias_starting"' in sent.body and sent.body.endswith(b"data: [DONE]\n\n")
