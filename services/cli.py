@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("services.ops.status", "show workers, aliases, routing states and instances"),
     "health": ("services.ops.health", "a service's health check, from its MODELPOOL_HEALTH_FILE (containers)"),
     "history": ("services.ops.history", "show an alias's timeline from the event log"),
+    "explain": ("services.ops.explain", "why a past request went where it went, from the gateway's access log"),
     "replay": ("services.ops.replay", "rebuild projections from the log and compare them; --verify-decisions re-runs decisions"),
     "load": ("services.ops.load", "steady concurrent load on an alias, to watch the pool respond"),
     "sim": ("simulation.cli", "offline decode simulator: generate, run, compare, truncate, fluid-limit"),

@@ -46,6 +46,7 @@ ENVIRONMENT = {
     "worker_log_dir": "MODELPOOL_WORKER_LOG_DIR",
     "gateway_id": "MODELPOOL_GATEWAY_ID",
     "health_file": "MODELPOOL_HEALTH_FILE",
+    "access_log": "MODELPOOL_ACCESS_LOG",
     "otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
     "service_name": "OTEL_SERVICE_NAME",
 }
@@ -91,6 +92,9 @@ class Settings(BaseModel):
     """Names this gateway replica in its metric windows (default: host and process id)."""
     health_file: str | None = None
     """Where a service writes whether it reaches its servers, every second, for `modelpool health` (containers)."""
+    access_log: str | None = None
+    """A file the gateway appends its access log to, one JSON line per request (rotated at 64 MiB, three kept):
+    what `modelpool explain` reads. `modelpool up` keeps it in its data directory."""
     otlp_endpoint: str | None = None
     service_name: str = "modelpool"
 

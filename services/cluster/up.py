@@ -335,6 +335,8 @@ def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> 
                 env["MODELPOOL_NAMESPACE"] = args.namespace
             # No GPU here: the local worker offers the memory the simulated vLLM models.
             env.setdefault("MODELPOOL_WORKER_GPU_MEMORY_GB", str(SIMULATED_GPU_MEMORY_GB))
+            # Where `modelpool explain` finds a request: the gateway's access log, beside the cluster's data.
+            env.setdefault("MODELPOOL_ACCESS_LOG", str(args.data_dir.absolute() / "access.log"))
             cluster_file = announce_cluster(args.data_dir, env)
             try:
                 output.line("up", "applying migrations")

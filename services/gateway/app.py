@@ -43,6 +43,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from services.gateway.access_log import log_access
 from services.gateway.admission import Admission
 from services.gateway.client_stream import REQUEST_ID_HEADER, ClientStream
 from services.gateway.context import Refused, RequestContext
@@ -74,7 +75,6 @@ from shared.settings import Settings
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
-access_log = logging.getLogger("modelpool.access")
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 
@@ -154,8 +154,8 @@ class Gateway:
         except APIError as exc:
             response = error_response(exc)
             response.headers[REQUEST_ID_HEADER] = request_id
-            access_log.info("%s", orjson.dumps({"request_id": request_id, "path": path, "status": exc.status,
-                                                 "outcome": "rejected", "error": exc.body.error.code}).decode())
+            log_access({"request_id": request_id, "path": path, "status": exc.status, "outcome": "rejected",
+                        "error": exc.body.error.code})
             return response
         body = routed.body
         if routed.stream:

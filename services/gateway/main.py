@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
 
+from services.gateway.access_log import writing_to
 from services.gateway.admin import create_admin_app
 from services.gateway.app import Gateway, create_app
 from services.gateway.proxy import upstream_client
@@ -31,6 +33,11 @@ moment is reset unanswered."""
 
 async def serve(ctx: ServiceContext, pool: PoolConfig | None = None) -> None:
     pool = pool or PoolConfig()
+    with writing_to(Path(ctx.settings.access_log)) if ctx.settings.access_log else contextlib.nullcontext():
+        await _serve(ctx, pool)
+
+
+async def _serve(ctx: ServiceContext, pool: PoolConfig) -> None:
     view = LiveView(ctx.store, ctx.engine, [ROUTING, INSTANCES, SESSIONS])
     await retry_until_done(view.load, "loading the routing view", log, ctx.stop)
     async with upstream_client(pool.gateway) as client:

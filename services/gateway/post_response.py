@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import logging
 
-import orjson
 from opentelemetry.trace import Span, Status, StatusCode
 
+from services.gateway.access_log import access_log, log_access
 from services.gateway.admission import Admission
 from services.gateway.context import RequestContext
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import Router
 from services.gateway.sessions import Sessions
 from shared.metering import RequestOutcome
-
-access_log = logging.getLogger("modelpool.access")
 
 
 class PostResponse:
@@ -54,8 +52,8 @@ class PostResponse:
             if outcome not in (RequestOutcome.OK, RequestOutcome.CLIENT_ERROR, RequestOutcome.LEFT):
                 span.set_status(Status(StatusCode.ERROR, outcome.value))
         if not access_log.isEnabledFor(logging.INFO):
-            return
-        record = {
+            return  # the hot path builds no record for nobody
+        log_access({
             "request_id": ctx.request_id, "alias": ctx.alias, "path": ctx.path, "stream": ctx.stream,
             "status": status, "outcome": outcome.value, "instance": instance, "backend": backend,
             "engine": ctx.engine, "retries": max(0, ctx.attempts - 1), "session": ctx.ask.prompt.session_id,
@@ -65,5 +63,4 @@ class PostResponse:
             "e2e_s": round(trace.ended - trace.arrived, 4),
             "prompt_tokens": ctx.usage[0] if ctx.usage else None,
             "completion_tokens": ctx.usage[1] if ctx.usage else trace.content_chunks or None,
-        }
-        access_log.info("%s", orjson.dumps(record).decode())
+        })

@@ -14,6 +14,8 @@ from gateway_support import ALIAS, FAST, SLOW
 from test_gateway_admission import pool
 from test_gateway_holds import CHAT
 
+from helpers import eventually
+from services.ops import explain
 from shared.contracts.states import RoutingState as R
 
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -182,3 +184,28 @@ async def test_an_image_request_reaches_the_simulated_vision_language_engine(eng
     assert seen.status_code == 200 and seen.headers["x-modelpool-engine"] == "simulated-vllm"
     # The image reached the engine whole: it counts as the model's image tokens in the prompt.
     assert seen.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"] + 100
+
+
+async def test_explain_says_why_a_past_request_went_where_it_went_from_the_access_log(engines, facts, gateways, tmp_path,
+                                                                                       capsys):
+    await serving(engines, facts)
+    log = tmp_path / "access.log"
+    gateway = await gateways.start(access_log=str(log))
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "why-1"})
+        await client.post("/v1/chat/completions", json={"model": ALIAS}, headers={"x-request-id": "why-2"})
+    await eventually(lambda: log.exists() and log.read_text().count("\n") == 2)
+    capsys.readouterr()  # what the gateway printed
+
+    assert explain.main(["why-1", "--access-log", str(log)]) == 0
+    told = capsys.readouterr().out.splitlines()
+    assert told[0].startswith(f"request why-1 /v1/chat/completions for {ALIAS}, ended 20") and told[0].endswith("200 ok")
+    assert told[1] == "  served by llama.cpp instance f1 (engine simulated-llama.cpp)"
+    assert told[2] == "  why: least-load: the only instance with room"
+    assert explain.main(["why-1", "--access-log", str(log), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["route"] == "llama.cpp f1; least-load: the only instance with room"
+    assert explain.main(["why-2", "--access-log", str(log)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("  refused at the edge: ")
+    assert explain.main(["why-3", "--access-log", str(log)]) == 1
+    assert "no request 'why-3'" in capsys.readouterr().err
+    assert explain.main(["why-1", "--access-log", str(tmp_path / "none.log")]) == 2

@@ -168,6 +168,10 @@ def test_the_default_pool_serves_from_cold_and_operator_commands_find_the_cluste
     history = subprocess.run([sys.executable, "-m", "services.cli", "history", "smollm2-135m"], env=bare, cwd=tmp_path,
                              capture_output=True, text=True, timeout=60)
     assert history.returncode == 0 and "routing COLD -> FAST_ONLY" in history.stdout, history.stderr
+    explained = subprocess.run([sys.executable, "-m", "services.cli", "explain", raw.headers["x-request-id"]], env=bare,
+                               cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert explained.returncode == 0, explained.stderr
+    assert "served by llama.cpp instance smollm2-135m-fast-" in explained.stdout and "\n  why: " in explained.stdout
 
     cluster.ctrl_c()
     assert cluster.wait_exit() == 0, cluster.output()
