@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "relay": ("services.relay.main", "run the outbox relay (event log -> bus)"),
     "projector": ("services.projector.main", "keep the read models in Postgres up to date with the log"),
     "status": ("services.ops.status", "show workers, aliases, routing states and instances"),
+    "top": ("services.ops.top", "the pool live in a terminal: aliases, instances, load, latest decisions"),
     "health": ("services.ops.health", "a service's health check, from its MODELPOOL_HEALTH_FILE (containers)"),
     "history": ("services.ops.history", "show an alias's timeline from the event log"),
     "explain": ("services.ops.explain", "why a past request went where it went, from the gateway's access log"),

@@ -85,21 +85,21 @@ def _seconds(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-def _ago(value: datetime | str | None, now: datetime) -> str:
+def ago(value: datetime | str | None, now: datetime) -> str:
     if value is None:
         return "-"
     when = datetime.fromisoformat(value) if isinstance(value, str) else value
     return _seconds((now - when).total_seconds()) + " ago"
 
 
-def _when(value: str | None, now: datetime) -> str:
+def due_in(value: str | None, now: datetime) -> str:
     if not value:
         return ""
     seconds = (datetime.fromisoformat(value) - now).total_seconds()
     return " now" if seconds <= 0 else f" in {_seconds(seconds)}"
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
+def table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [headers] + [["-" if v is None else str(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
@@ -116,10 +116,10 @@ def render(status: dict[str, Any], now: datetime | None = None) -> str:
         out.append(f"live facts unavailable: {live['error']}")
     out += ["", "WORKERS"]
     out.append(
-        _table(
+        table(
             ["worker", "host", "status", "heard", "gpu GB", "slots", "engines"],
             [[w["worker_id"], w["host"], w["status"],
-              _ago(heartbeats[w["worker_id"]]["at"], now) if w["worker_id"] in heartbeats else "never",
+              ago(heartbeats[w["worker_id"]]["at"], now) if w["worker_id"] in heartbeats else "never",
               w["gpu_memory_gb"], w["slots"], ",".join(w["engines"])] for w in status["workers"]],
         )
         if status["workers"]
@@ -131,7 +131,7 @@ def render(status: dict[str, Any], now: datetime | None = None) -> str:
     for a in status["aliases"]:
         control = status["control"].get(a["alias"]) or {}
         targets = ", ".join(f"{k}={v}" for k, v in sorted((a["targets"] or {}).items())) or "-"
-        out.append(f"{a['alias']}: {a['state']} since {_ago(a['switched_at'] or a['updated_at'], now)}, "
+        out.append(f"{a['alias']}: {a['state']} since {ago(a['switched_at'] or a['updated_at'], now)}, "
                    f"{a['mix_weight']:.0%} of traffic to vLLM, targets {targets}")
         if a["switch_reason"]:
             out.append(f"  why: {a['switch_reason']}")
@@ -144,8 +144,8 @@ def render(status: dict[str, Any], now: datetime | None = None) -> str:
         else:
             steps = outlook["next"] or [{"what": "nothing planned while the load stays as it is", "at": None}]
             for step in steps:
-                out.append(f"  next: {step['what']}{_when(step['at'], now)}")
-            out.append(f"  decided by {outlook['leader']} ({outlook['policy']}), {_ago(outlook['at'], now)}")
+                out.append(f"  next: {step['what']}{due_in(step['at'], now)}")
+            out.append(f"  decided by {outlook['leader']} ({outlook['policy']}), {ago(outlook['at'], now)}")
     out += ["", "INSTANCES"]
     rows = []
     for i in status["instances"]:
@@ -157,10 +157,10 @@ def render(status: dict[str, Any], now: datetime | None = None) -> str:
             i["worker_id"], i["state"], i["sleep_level"],
             live_status.get("inflight_requests", "-"), capacity,
             ("yes" if live_status.get("healthy") else "no") if live_status else "-",
-            _ago(i["updated_at"], now), i["endpoint"],
+            ago(i["updated_at"], now), i["endpoint"],
         ])
     out.append(
-        _table(["instance", "alias", "backend", "engine", "worker", "state", "sleep", "inflight", "capacity", "healthy",
+        table(["instance", "alias", "backend", "engine", "worker", "state", "sleep", "inflight", "capacity", "healthy",
                 "since", "endpoint"], rows)
         if rows
         else "  (none)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -172,6 +173,7 @@ def test_the_default_pool_serves_from_cold_and_operator_commands_find_the_cluste
                                cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert explained.returncode == 0, explained.stderr
     assert "served by llama.cpp instance smollm2-135m-fast-" in explained.stdout and "\n  why: " in explained.stdout
+    watch_top(bare, tmp_path)
 
     cluster.ctrl_c()
     assert cluster.wait_exit() == 0, cluster.output()
@@ -182,6 +184,38 @@ def test_the_default_pool_serves_from_cold_and_operator_commands_find_the_cluste
                            capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
     assert "no modelpool schema" in wrong.stderr
+
+
+def watch_top(env: dict[str, str], cwd: Path) -> None:
+    """`modelpool top` in a real terminal (tmux on a socket of its own): the screen shows the pool, redraws every
+    second, and Ctrl-C ends it."""
+    tmux = ["tmux", "-L", f"modelpool-test-{uuid.uuid4().hex[:8]}"]
+    command = shlex.join(["env", "-u", "COLUMNS", "-u", "LINES", *(f"{k}={v}" for k, v in env.items() if k.startswith(("MODELPOOL_", "PYTHON"))),
+                          sys.executable, "-m", "services.cli", "top"])
+    subprocess.run([*tmux, "new-session", "-d", "-s", "top", "-x", "180", "-y", "40", "-c", str(cwd), command],
+                   check=True, timeout=10)
+
+    def screen() -> str:
+        return subprocess.run([*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True,
+                              timeout=10).stdout
+
+    try:
+        deadline = time.monotonic() + 30
+        while "LATEST DECISIONS" not in (first := screen()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert first.startswith("modelpool top  namespace "), first
+        assert "smollm2-135m  FAST_ONLY" in first and "smollm2-135m-fast-" in first and "RUNNING" in first, first
+        assert "HEALTHY  WORKER  SINCE" in first and "smollm2-135m  COLD -> FAST_ONLY" in first, first
+        assert max(len(line) for line in first.splitlines()) <= 180  # cut to the terminal, never wrapped
+        time.sleep(1.5)
+        assert screen().splitlines()[0] != first.splitlines()[0]  # the clock moved: it redrew
+        subprocess.run([*tmux, "send-keys", "-t", "top", "C-c"], check=True, timeout=10)
+        deadline = time.monotonic() + 10
+        while subprocess.run([*tmux, "has-session", "-t", "top"], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, f"top did not end on Ctrl-C:\n{screen()}"
+            time.sleep(0.2)
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
 
 
 def test_a_killed_service_is_restarted_and_ctrl_c_still_stops_everything(
