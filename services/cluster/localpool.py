@@ -14,6 +14,7 @@ caller migrates the namespace first.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -63,7 +64,9 @@ class LocalPool:
         for name in CONTROL_SERVICES:
             self.start_service(name)
         deadline = time.monotonic() + ready_timeout_s
-        while not self._healthy():
+        # Up once the gateway answers and the log has every worker registered: a placement made before a
+        # worker registers would put every instance on the others.
+        while not (self._healthy() and self._workers_up() >= len(self.worker_settings)):
             dead = [p.name for p in self.processes.values() if not p.alive]
             if dead or time.monotonic() > deadline:
                 self.stop()
@@ -128,6 +131,15 @@ class LocalPool:
                 return response.status == 200
         except (OSError, urllib.error.URLError):
             return False
+
+    def _workers_up(self) -> int:
+        """Workers the gateway's view of the log has up (its `modelpool:workers` metric)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2.0) as response:
+                found = re.search(rb'^modelpool:workers\{status="up"\} (\d+)', response.read(), re.MULTILINE)
+        except (OSError, urllib.error.URLError):
+            return 0
+        return int(found.group(1)) if found else 0
 
     def __enter__(self) -> "LocalPool":
         return self.start()

@@ -50,7 +50,7 @@ from services.gateway.context import Refused, RequestContext
 from services.gateway.edge import CHAT, COMPLETIONS, Keys, accept, error_response, http_error, unexpected_error
 from services.gateway.handoff import Handoff
 from services.gateway.meter import Meter
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, render_pool
 from services.gateway.openapi import openapi_document
 from services.gateway.post_response import PostResponse
 from services.gateway.pre_request import PreRequest
@@ -70,7 +70,7 @@ from shared.eventlog.store import StoredEvent
 from shared.metering import RequestOutcome, RequestTrace
 from shared.openai_protocol import APIError, BackendCard, ModelCard, ModelList, internal_error
 from shared.projections.live import LiveView
-from shared.projections.readmodels import INSTANCES, ROUTING, SESSIONS
+from shared.projections.readmodels import INSTANCES, ROUTING, SESSIONS, WORKERS
 from shared.settings import Settings
 from shared.telemetry import Telemetry
 
@@ -274,7 +274,8 @@ def create_app(gateway: Gateway) -> Starlette:
 
     async def metrics(_: Request) -> Response:
         waiting = {alias: gateway.admission.waiting(alias) for alias in gateway.admission.queues}
-        return Response(gateway.metrics.render(gateway.meter, waiting), media_type="text/plain; version=0.0.4")
+        pool = render_pool(view[ROUTING].values(), view[INSTANCES].values(), view[WORKERS].values(), utcnow())
+        return Response(gateway.metrics.render(gateway.meter, waiting) + pool, media_type="text/plain; version=0.0.4")
 
     async def openapi(_: Request) -> Response:
         return JSONResponse(openapi_document(sorted({*gateway.configured, *view[ROUTING]}), gateway.keys.required))

@@ -19,7 +19,7 @@ from shared.configuration import load_pool_config
 from shared.contracts.config import PoolConfig
 from shared.faults import retry_until_done
 from shared.projections.live import LiveView
-from shared.projections.readmodels import INSTANCES, ROUTING, SESSIONS
+from shared.projections.readmodels import INSTANCES, ROUTING, SESSIONS, WORKERS
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ async def serve(ctx: ServiceContext, pool: PoolConfig | None = None) -> None:
 
 
 async def _serve(ctx: ServiceContext, pool: PoolConfig) -> None:
-    view = LiveView(ctx.store, ctx.engine, [ROUTING, INSTANCES, SESSIONS])
+    view = LiveView(ctx.store, ctx.engine, [ROUTING, INSTANCES, SESSIONS, WORKERS])
     await retry_until_done(view.load, "loading the routing view", log, ctx.stop)
     async with upstream_client(pool.gateway) as client:
         gateway = Gateway(ctx.settings, view, client, ctx.telemetry_bus, pool, ctx.telemetry)

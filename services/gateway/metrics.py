@@ -3,12 +3,19 @@
 Requests by alias, backend and outcome; how long requests waited for a slot and
 how the wait ended; time to first token, end to end and per output token by
 backend; retries; cold starts; demand signals; session migrations; and the queue and the load right now.
+With them, the pool as the gateway's view of the log has it (`render_pool`): each alias's routing state and for
+how long, instances by state, workers by status.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from datetime import datetime
+
 from services.gateway.meter import Meter
+from shared.contracts.states import InstanceState, RoutingState
 from shared.metering import FAST, SLOW
+from shared.projections.rows import InstanceRow, RoutingRow, WorkerRow, WorkerStatus
 from shared.prometheus import Histogram, family
 
 WAIT_BOUNDS_S = (0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300)
@@ -137,3 +144,36 @@ def _histograms(out: list[str], name: str, histograms: dict[tuple[str, str], His
     family(out, name, "histogram", help_text)
     for key, histogram in sorted(histograms.items()):
         out.extend(histogram.lines(name, _labels(**dict(zip(label_names, key)))))
+
+
+def render_pool(routing: Iterable[RoutingRow], instances: Iterable[InstanceRow], workers: Iterable[WorkerRow],
+                now: datetime) -> str:
+    """The pool as the gateway's view of the log has it: what alerts watch (an alias degraded for long, instances
+    in ERROR, a worker lost), from any gateway replica."""
+    out: list[str] = []
+    routing = sorted(routing, key=lambda r: r.alias)
+    family(out, "modelpool:alias_routing_state", "gauge", "1 for the routing state each alias is in, 0 for the others.")
+    for row in routing:
+        for state in RoutingState:
+            out.append(f"modelpool:alias_routing_state{{{_labels(alias=row.alias, state=state.value)}}} "
+                       f"{int(row.state is state)}")
+    family(out, "modelpool:alias_routing_state_seconds", "gauge", "Seconds since each alias entered its routing state.")
+    for row in routing:
+        since = row.switched_at or row.updated_at
+        out.append(f"modelpool:alias_routing_state_seconds{{{_labels(alias=row.alias)}}} "
+                   f"{max(0.0, (now - since).total_seconds()):.3f}")
+    counts: dict[tuple[str, str, str], int] = {}
+    for row in instances:
+        key = (row.alias, row.backend_type.value, row.state.value)
+        counts[key] = counts.get(key, 0) + 1
+    family(out, "modelpool:instances", "gauge", "Instances by alias, backend and state (ABSENT ones not counted).")
+    for (alias, backend, state), n in sorted(counts.items()):
+        if state != InstanceState.ABSENT.value:
+            out.append(f"modelpool:instances{{{_labels(alias=alias, backend=backend, state=state)}}} {n}")
+    by_status: dict[str, int] = {status.value: 0 for status in WorkerStatus}
+    for worker in workers:
+        by_status[worker.status.value] += 1
+    family(out, "modelpool:workers", "gauge", "Workers by status (up, stopped, lost).")
+    for status, n in by_status.items():
+        out.append(f"modelpool:workers{{{_labels(status=status)}}} {n}")
+    return "\n".join(out) + "\n"

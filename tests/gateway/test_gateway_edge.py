@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -16,9 +18,13 @@ from test_gateway_holds import CHAT
 
 from helpers import eventually
 from services.ops import explain
-from shared.contracts.states import RoutingState as R
+from shared.contracts.backends import EngineKind
+from shared.contracts.events import WorkerLost, WorkerRegistered
+from shared.contracts.messages import Envelope
+from shared.contracts.states import InstanceState as I, RoutingState as R
 
 ERROR_KEYS = {"message", "type", "param", "code"}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def serving(engines, facts) -> None:
@@ -209,3 +215,37 @@ async def test_explain_says_why_a_past_request_went_where_it_went_from_the_acces
     assert explain.main(["why-3", "--access-log", str(log)]) == 1
     assert "no request 'why-3'" in capsys.readouterr().err
     assert explain.main(["why-1", "--access-log", str(tmp_path / "none.log")]) == 2
+
+
+async def test_metrics_show_the_pool_as_the_log_has_it_for_alerts(engines, facts, gateways):
+    await serving(engines, facts)
+    await facts.instance("f2", FAST, I.STARTING, I.ERROR)
+    for worker in ("w1", "w2"):
+        await facts.store.append(f"worker:{worker}", [Envelope.wrap(WorkerRegistered(
+            worker_id=worker, host="127.0.0.1", gpu_memory_gb=24, slots=4, engines=[EngineKind.SIMULATOR]))])
+    gateway = await gateways.start()
+
+    def pool_metrics(text: str) -> dict[str, float]:
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith(("modelpool:alias_routing_state", "modelpool:instances", "modelpool:workers"))}
+
+    seen = pool_metrics(await gateway.metrics())
+    assert seen[f'modelpool:alias_routing_state{{alias="{ALIAS}",state="FAST_ONLY"}}'] == 1
+    assert seen[f'modelpool:alias_routing_state{{alias="{ALIAS}",state="DEGRADED_FAST"}}'] == 0
+    assert 0 <= seen[f'modelpool:alias_routing_state_seconds{{alias="{ALIAS}"}}'] < 60
+    assert seen[f'modelpool:instances{{alias="{ALIAS}",backend="llama.cpp",state="RUNNING"}}'] == 1
+    assert seen[f'modelpool:instances{{alias="{ALIAS}",backend="llama.cpp",state="ERROR"}}'] == 1
+    assert seen[f'modelpool:instances{{alias="{ALIAS}",backend="vllm",state="RUNNING"}}'] == 1
+    assert (seen['modelpool:workers{status="up"}'], seen['modelpool:workers{status="lost"}']) == (2, 0)
+
+    # Every metric the shipped alerts watch is one this gateway exports.
+    exported = set(re.findall(r"^# TYPE (\S+) ", await gateway.metrics(), re.MULTILINE))
+    watched = set(re.findall(r"modelpool:[a-z_]+", (ROOT / "deploy" / "prometheus" / "alerts.yml").read_text()))
+    assert len(watched) >= 4 and watched <= exported, watched - exported
+
+    await facts.store.append("worker:w2", [Envelope.wrap(WorkerLost(worker_id="w2", reason="no heartbeat"))])
+    await facts.route(R.DEGRADED_FAST)
+    await gateway.caught_up()
+    seen = pool_metrics(await gateway.metrics())
+    assert (seen['modelpool:workers{status="up"}'], seen['modelpool:workers{status="lost"}']) == (1, 1)
+    assert seen[f'modelpool:alias_routing_state{{alias="{ALIAS}",state="DEGRADED_FAST"}}'] == 1
