@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 from shared.net import free_ports
 
@@ -171,3 +173,32 @@ def wait_healthy(engines: list[EngineProcess], timeout: float = 60) -> None:
             if engine.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"engine {engine.url} did not start:\n{engine.log_path.read_text()[-2000:]}")
             time.sleep(0.1)
+
+
+PROMETHEUS_CACHE = Path.home() / ".cache" / "modelpool" / "prometheus"
+
+
+def debian_prometheus() -> Path:
+    """The directory holding `prometheus` and `promtool`: the machine's, else those of Debian's `prometheus`
+    package, unpacked (not installed: installing would start a Prometheus server) into the cache once."""
+    found = shutil.which("promtool")
+    if found and shutil.which("prometheus"):
+        return Path(found).parent
+    unpacked = PROMETHEUS_CACHE / "usr" / "bin"
+    if (unpacked / "promtool").exists() and (unpacked / "prometheus").exists():
+        return unpacked
+    if shutil.which("apt-get") is None:
+        pytest.fail("these tests need Prometheus: Debian's `prometheus` package (or prometheus and promtool on the PATH)")
+    PROMETHEUS_CACHE.mkdir(parents=True, exist_ok=True)
+    download = ["apt-get", "download", "prometheus"]
+    fetched = subprocess.run(download, cwd=PROMETHEUS_CACHE, capture_output=True, text=True, timeout=600)
+    if fetched.returncode != 0 and os.geteuid() == 0:  # no package lists yet
+        subprocess.run(["apt-get", "update"], capture_output=True, timeout=600)
+        fetched = subprocess.run(download, cwd=PROMETHEUS_CACHE, capture_output=True, text=True, timeout=600)
+    debs = sorted(PROMETHEUS_CACHE.glob("prometheus_*.deb"))
+    if fetched.returncode != 0 or not debs:
+        pytest.fail(f"could not fetch Debian's prometheus package:\n{fetched.stderr[-3000:]}")
+    subprocess.run(["dpkg-deb", "-x", str(debs[-1]), str(PROMETHEUS_CACHE)], check=True, timeout=300)
+    for deb in debs:
+        deb.unlink()
+    return unpacked

@@ -4,6 +4,7 @@
     GET  /admin/history/{alias}?since=&until= the alias's timeline from the log (ISO times)
     GET  /admin/instances                    every instance as the gateway's live view has it
     POST /admin/instances/{id}/drain         take an instance out of service
+    GET  /admin/sd/engines                   the engines' /metrics as Prometheus HTTP service discovery
 
 It is served only when `MODELPOOL_ADMIN_TOKEN` is set, on `MODELPOOL_ADMIN_HOST`
 (loopback by default) and `MODELPOOL_ADMIN_PORT`. A drain goes to the
@@ -18,6 +19,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 from starlette.applications import Starlette
@@ -40,6 +42,8 @@ from shared.projections.rows import as_json
 
 DRAINABLE = (InstanceState.RUNNING, InstanceState.STARTING, InstanceState.SLEEP_1, InstanceState.SLEEP_2)
 DRAIN_TIMEOUT_S = 120.0
+SCRAPED = (InstanceState.RUNNING, InstanceState.SLEEP_1, InstanceState.SLEEP_2, InstanceState.DRAINING)
+"""Engine states in which an engine answers its /metrics."""
 
 
 def create_admin_app(ctx: ServiceContext, view: LiveView, token: str) -> Starlette:
@@ -75,6 +79,15 @@ def create_admin_app(ctx: ServiceContext, view: LiveView, token: str) -> Starlet
         rows = sorted(view[INSTANCES].values(), key=lambda r: (r.alias, r.backend_type.value, r.instance_id))
         return _json({"instances": [as_json(row) for row in rows]})
 
+    async def engines(_: Request) -> Response:
+        """Prometheus `http_sd_configs` targets: every engine that answers, with what it serves as labels."""
+        groups = [{"targets": [urlsplit(row.endpoint).netloc],
+                   "labels": {"alias": row.alias, "backend": row.backend_type.value, "engine": row.engine.value,
+                              "instance_id": row.instance_id, "worker": row.worker_id}}
+                  for row in sorted(view[INSTANCES].values(), key=lambda r: r.instance_id)
+                  if row.endpoint and row.state in SCRAPED]
+        return _json(groups)
+
     async def drain(request: Request) -> Response:
         instance_id = request.path_params["instance_id"]
         row = view[INSTANCES].get(instance_id)
@@ -97,6 +110,7 @@ def create_admin_app(ctx: ServiceContext, view: LiveView, token: str) -> Starlet
             Route("/admin/history/{alias}", guarded(history)),
             Route("/admin/instances", guarded(instances)),
             Route("/admin/instances/{instance_id}/drain", guarded(drain), methods=["POST"]),
+            Route("/admin/sd/engines", guarded(engines)),
         ],
         exception_handlers={404: http_error, 405: http_error, Exception: unexpected_error},
     )

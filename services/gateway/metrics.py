@@ -162,6 +162,9 @@ def render_pool(routing: Iterable[RoutingRow], instances: Iterable[InstanceRow],
         since = row.switched_at or row.updated_at
         out.append(f"modelpool:alias_routing_state_seconds{{{_labels(alias=row.alias)}}} "
                    f"{max(0.0, (now - since).total_seconds()):.3f}")
+    family(out, "modelpool:alias_vllm_share", "gauge", "The share of each alias's traffic sent to vLLM (the mix weight).")
+    for row in routing:
+        out.append(f"modelpool:alias_vllm_share{{{_labels(alias=row.alias)}}} {row.mix_weight:g}")
     counts: dict[tuple[str, str, str], int] = {}
     for row in instances:
         key = (row.alias, row.backend_type.value, row.state.value)

@@ -45,6 +45,13 @@ async def test_the_admin_api_answers_only_its_token_on_its_own_port_and_drains_t
         bad_time = await client.get(f"{admin}/admin/history/{ALIAS}", params={"since": "yesterday"}, headers=auth)
         assert bad_time.status_code == 400
 
+        # Prometheus finds the engines' /metrics here (http_sd_configs): every engine that answers, labelled.
+        assert (await client.get(f"{admin}/admin/sd/engines")).status_code == 401
+        targets = (await client.get(f"{admin}/admin/sd/engines", headers=auth)).json()
+        assert [t["labels"]["instance_id"] for t in targets] == ["f1", "f2"]
+        assert targets[0] == {"targets": [engines[FAST][0].url.removeprefix("http://")], "labels": {
+            "alias": ALIAS, "backend": "llama.cpp", "engine": "simulator", "instance_id": "f1", "worker": "w1"}}
+
         drained = await client.post(f"{admin}/admin/instances/f1/drain", headers=auth)
         assert drained.status_code == 202 and drained.json()["worker_id"] == "w1"
         unknown = await client.post(f"{admin}/admin/instances/nope/drain", headers=auth)

@@ -240,7 +240,7 @@ async def test_metrics_show_the_pool_as_the_log_has_it_for_alerts(engines, facts
 
     # Every metric the shipped alerts watch is one this gateway exports.
     exported = set(re.findall(r"^# TYPE (\S+) ", await gateway.metrics(), re.MULTILINE))
-    watched = set(re.findall(r"modelpool:[a-z_]+", (ROOT / "deploy" / "prometheus" / "alerts.yml").read_text()))
+    watched = set(re.findall(r"modelpool:[a-z0-9_]+", (ROOT / "deploy" / "prometheus" / "alerts.yml").read_text()))
     assert len(watched) >= 4 and watched <= exported, watched - exported
 
     await facts.store.append("worker:w2", [Envelope.wrap(WorkerLost(worker_id="w2", reason="no heartbeat"))])

@@ -5,43 +5,21 @@ the ones the gateway exports is tested against a real gateway (tests/gateway/tes
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from helpers import debian_prometheus
 
 pytestmark = pytest.mark.processes
 
 PROMETHEUS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 
 
-CACHE = Path.home() / ".cache" / "modelpool" / "prometheus"
-
-
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    """The machine's promtool, else the one in Debian's `prometheus` package, unpacked (not installed: installing
-    would start a Prometheus server) into the cache once."""
-    found = shutil.which("promtool") or (str(CACHE / "usr/bin/promtool") if (CACHE / "usr/bin/promtool").exists() else None)
-    if found:
-        return found
-    if shutil.which("apt-get") is None:
-        pytest.fail("these tests need promtool: Debian's `prometheus` package (or promtool on the PATH)")
-    CACHE.mkdir(parents=True, exist_ok=True)
-    download = ["apt-get", "download", "prometheus"]
-    fetched = subprocess.run(download, cwd=CACHE, capture_output=True, text=True, timeout=600)
-    if fetched.returncode != 0 and os.geteuid() == 0:  # no package lists yet
-        subprocess.run(["apt-get", "update"], capture_output=True, timeout=600)
-        fetched = subprocess.run(download, cwd=CACHE, capture_output=True, text=True, timeout=600)
-    debs = sorted(CACHE.glob("prometheus_*.deb"))
-    if fetched.returncode != 0 or not debs:
-        pytest.fail(f"could not fetch Debian's prometheus package for promtool:\n{fetched.stderr[-3000:]}")
-    subprocess.run(["dpkg-deb", "-x", str(debs[-1]), str(CACHE)], check=True, timeout=300)
-    for deb in debs:
-        deb.unlink()
-    return str(CACHE / "usr/bin/promtool")
+    return str(debian_prometheus() / "promtool")
 
 
 def run(promtool: str, *args: str) -> subprocess.CompletedProcess[str]:
