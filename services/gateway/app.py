@@ -50,7 +50,7 @@ from services.gateway.context import Refused, RequestContext
 from services.gateway.edge import CHAT, COMPLETIONS, Keys, accept, error_response, http_error, unexpected_error
 from services.gateway.handoff import Handoff
 from services.gateway.meter import Meter
-from services.gateway.metrics import GatewayMetrics, render_pool
+from services.gateway.metrics import GatewayMetrics, render_pool, render_relay_lag
 from services.gateway.openapi import openapi_document
 from services.gateway.post_response import PostResponse
 from services.gateway.pre_request import PreRequest
@@ -275,7 +275,9 @@ def create_app(gateway: Gateway) -> Starlette:
     async def metrics(_: Request) -> Response:
         waiting = {alias: gateway.admission.waiting(alias) for alias in gateway.admission.queues}
         pool = render_pool(view[ROUTING].values(), view[INSTANCES].values(), view[WORKERS].values(), utcnow())
-        return Response(gateway.metrics.render(gateway.meter, waiting) + pool, media_type="text/plain; version=0.0.4")
+        relay = await render_relay_lag(view.engine)
+        return Response(gateway.metrics.render(gateway.meter, waiting) + pool + relay,
+                        media_type="text/plain; version=0.0.4")
 
     async def openapi(_: Request) -> Response:
         return JSONResponse(openapi_document(sorted({*gateway.configured, *view[ROUTING]}), gateway.keys.required))

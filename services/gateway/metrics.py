@@ -9,8 +9,12 @@ how long, instances by state, workers by status.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from datetime import datetime
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.gateway.meter import Meter
 from shared.contracts.states import InstanceState, RoutingState
@@ -179,4 +183,30 @@ def render_pool(routing: Iterable[RoutingRow], instances: Iterable[InstanceRow],
     family(out, "modelpool:workers", "gauge", "Workers by status (up, stopped, lost).")
     for status, n in by_status.items():
         out.append(f"modelpool:workers{{{_labels(status=status)}}} {n}")
+    return "\n".join(out) + "\n"
+
+
+_RELAY_LAG = text(
+    """
+    SELECT coalesce((SELECT max(position) FROM events), 0) - coalesce(r.position, 0),
+           extract(epoch FROM now() - (SELECT min(occurred_at) FROM events WHERE position > coalesce(r.position, 0)))
+    FROM (SELECT (SELECT position FROM tracking WHERE name = 'relay') AS position) r
+    """
+)
+RELAY_LAG_TIMEOUT_S = 1.0
+
+
+async def render_relay_lag(engine: AsyncEngine) -> str:
+    """How far the relay is behind the log (events recorded and not yet on the bus, and for how long the oldest has
+    waited); nothing when the log cannot be read within a second, so a scrape never hangs on it."""
+    try:
+        async with asyncio.timeout(RELAY_LAG_TIMEOUT_S), engine.connect() as conn:
+            behind, oldest_s = (await conn.execute(_RELAY_LAG)).one()
+    except Exception:  # the log is away: the series are absent, and the gateway serves on
+        return ""
+    out: list[str] = []
+    family(out, "modelpool:relay_lag_events", "gauge", "Events recorded in the log and not yet published on the bus.")
+    out.append(f"modelpool:relay_lag_events {int(behind)}")
+    family(out, "modelpool:relay_lag_seconds", "gauge", "How long the oldest event not yet on the bus has waited (0: none).")
+    out.append(f"modelpool:relay_lag_seconds {max(0.0, float(oldest_s or 0.0)):.3f}")
     return "\n".join(out) + "\n"

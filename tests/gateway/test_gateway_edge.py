@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -249,3 +250,27 @@ async def test_metrics_show_the_pool_as_the_log_has_it_for_alerts(engines, facts
     seen = pool_metrics(await gateway.metrics())
     assert (seen['modelpool:workers{status="up"}'], seen['modelpool:workers{status="lost"}']) == (1, 1)
     assert seen[f'modelpool:alias_routing_state{{alias="{ALIAS}",state="DEGRADED_FAST"}}'] == 1
+
+
+async def test_metrics_say_how_far_the_relay_is_behind_the_log(facts, gateways):
+    await facts.alias()
+    gateway = await gateways.start()
+
+    def lag(text: str) -> tuple[float, float]:
+        found = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("modelpool:relay_lag_"))
+        return float(found["modelpool:relay_lag_events"]), float(found["modelpool:relay_lag_seconds"])
+
+    async def caught_up() -> bool:
+        return lag(await gateway.metrics()) == (0.0, 0.0)
+
+    await eventually(caught_up, timeout=10)
+    # The relay stops: what is recorded meanwhile waits in the log, and says for how long.
+    gateways.relay_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await gateways.relay_task
+    gateways.relay_task = None
+    await facts.route(R.FAST_ONLY)
+    await facts.mix(0.0)
+    await asyncio.sleep(1.2)
+    events, seconds = lag(await gateway.metrics())
+    assert events == 2 and seconds >= 1.0

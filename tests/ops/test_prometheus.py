@@ -30,7 +30,7 @@ def test_the_configuration_and_the_rules_load(promtool):
     config = run(promtool, "check", "config", "prometheus.yml")
     assert config.returncode == 0, config.stdout + config.stderr
     rules = run(promtool, "check", "rules", "alerts.yml")
-    assert rules.returncode == 0 and "SUCCESS: 6 rules found" in rules.stdout, rules.stdout + rules.stderr
+    assert rules.returncode == 0 and "SUCCESS: 7 rules found" in rules.stdout, rules.stdout + rules.stderr
 
 
 def test_each_alert_fires_when_it_should_and_not_before(promtool):
