@@ -92,6 +92,7 @@ async def test_without_a_handoff_the_drained_hosts_session_recomputes_at_its_nex
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
         first = await first_turn(client)
         host = first.headers["x-modelpool-instance"]
+        await eventually(lambda: events_are(store, "agent", ["SessionBound"]))  # written behind the answer
         await facts.instance(host, FAST, S.DRAINING, S.DELETING, S.ABSENT)  # deleted at once: nothing waited for it
         await gateway.caught_up()
         await asyncio.sleep(0.5)
