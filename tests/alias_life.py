@@ -9,7 +9,15 @@ from datetime import datetime, timedelta, timezone
 from services.autoscaler.record import decision_events
 from shared.contracts.backends import BackendType, EngineKind
 from shared.contracts.config import AliasConfig, ControllerConfig
-from shared.contracts.control import AliasSnapshot, Decision, MetricWindow, MixChange, PolicyState, RoutingChange
+from shared.contracts.control import (
+    AliasSnapshot,
+    Decision,
+    MetricWindow,
+    MixChange,
+    PlannedAction,
+    PolicyState,
+    RoutingChange,
+)
 from shared.contracts.events import AliasConfigured, InstanceStateChanged
 from shared.contracts.messages import Envelope
 from shared.contracts.states import InstanceState as I, RoutingState as R
@@ -49,7 +57,8 @@ class AliasLife:
                                                                  occurred_at=at(seconds))])
 
     async def decide(self, seconds: float, *, to: R | None = None, reason: str = "", weight: float | None = None,
-                     targets: dict | None = None, metrics: MetricWindow | None = None) -> None:
+                     targets: dict | None = None, metrics: MetricWindow | None = None,
+                     actions: tuple[PlannedAction, ...] = ()) -> None:
         snapshot = AliasSnapshot(alias=ALIAS, version=0, config=CONFIG, controller=ControllerConfig(),
                                  routing_state=self.state, routing_since=None, mix_weight=self.weight,
                                  targets=dict(self.targets), state=PolicyState(), metrics=metrics)
@@ -58,7 +67,8 @@ class AliasLife:
             policy="hybrid", policy_version=1, decision_id=uuid.uuid4(), targets=targets or dict(self.targets),
             targets_reason="as load asks", state=PolicyState(), mix_weight=weight,
             routing=RoutingChange(self.state, to, reason) if to else None,
-            mix=MixChange(self.weight, weight, reason) if to is None and weight != self.weight else None)
+            mix=MixChange(self.weight, weight, reason) if to is None and weight != self.weight else None,
+            actions=actions)
         await self.store.append(f"alias:{ALIAS}", decision_events(snapshot, decision, at(seconds)))
         self.state, self.weight, self.targets = to or self.state, weight, dict(decision.targets)
 

@@ -11,9 +11,9 @@ How long a request waits depends on what it waits for (`place`): a slot on a
 running instance (the queue timeout, then 408) or an instance to start at all
 (the alias's start budget from `starts.py`, then 503, with the stream's headers
 sent at once and, while it waits, comments saying where the start stands: phase
-and ETA; a whole answer says how long it waited in `x-modelpool-cold-start-ms`). A request sent again after a
-failure (`move`) gives its slot back here and takes another of the same
-backend, so no slot changes hands anywhere else.
+and ETA; a whole answer says how long it waited in `x-modelpool-cold-start-ms`).
+A request sent again after a failure (`move`) gives its slot back here and
+takes another of the same backend, so no slot changes hands anywhere else.
 
 A queue whose alias has nothing routable at all is a cold start: while any
 request waits the gateway sends a `DemandSignal` at once and every second, so

@@ -6,6 +6,8 @@ import uuid
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 
+from alias_life import ALIAS as LIFE_ALIAS, AliasLife
+
 from shared.contracts.backends import Action, BackendType, EngineKind
 from shared.contracts.control import PlannedAction
 from shared.contracts.events import InstanceLoading, InstanceStateChanged, PlacementRequested, PolicyDecided
@@ -115,3 +117,21 @@ def test_the_comment_a_held_stream_receives():
     starts.apply(log.events)
     line = starts.progress("a", [FAST], [row("f2", FAST, I.STARTING, 1)], T0 + timedelta(seconds=2)).comment(3)
     assert line == b": modelpool cold-start phase=starting eta_ms=750 backend=llama.cpp waited_ms=3000\n\n"
+
+
+async def test_the_times_already_in_the_log_are_read_at_start_as_they_would_have_been_followed(store):
+    life = AliasLife(store)
+    await life.configure(0)
+    await life.instance("v1", SLOW, [(10, I.ABSENT, I.STARTING), (40, I.STARTING, I.RUNNING),
+                                     (100, I.RUNNING, I.SLEEP_1), (150, I.SLEEP_1, I.SLEEP_2)])
+    await life.decide(200, actions=(PlannedAction(Action.WAKE, SLOW, "v1", uuid.uuid4(), "demand"),))
+    await life.instance("v1", SLOW, [(209, I.SLEEP_2, I.RUNNING)])
+    head = await store.head_position()
+    loaded = StartTimes(hold_timeout_s=120)
+    await loaded.load(store.engine, [LIFE_ALIAS], head)
+    followed = StartTimes(hold_timeout_s=120)
+    async for batch in store.iter_events(0, head):
+        followed.apply(batch)
+    for times in (loaded, followed):
+        assert times.starts.median((LIFE_ALIAS, SLOW)) == 30.0
+        assert times.wakes.median((LIFE_ALIAS, SLOW, 2)) == 9.0  # a level-2 wake, from the decision to RUNNING
