@@ -57,6 +57,8 @@ from shared.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 OUTLOOK_REFRESH_S = 5.0
+SHARED_SILENCE_FACTOR = 3.0
+"""Timeouts a silence every one of several workers shares lasts before they are judged lost (`watch_workers`)."""
 
 
 def leader_name() -> str:
@@ -375,18 +377,26 @@ class Controller:
         Silence counts only when this controller could have heard: it has led, and
         reached NATS without a break, for a whole timeout (a leader whose bus was away,
         or has just come back, has not heard anyone: that is not their death), and a
-        last look at the worker's heartbeat in the bucket finds nothing fresher.
+        last look at the worker's heartbeat in the bucket finds nothing fresher. When
+        every one of several workers falls silent at once, the heartbeat bucket is the
+        likelier casualty (a NATS server of a cluster lost, its streams electing new
+        leaders while no heartbeat can be written): they are judged only after
+        `SHARED_SILENCE_FACTOR` timeouts.
         """
         if self.leading_since is None or now - self.leading_since < timedelta(seconds=self.worker_timeout_s):
             return []  # a new leader first gives every worker the chance to be heard
         if self.bus_up_for_s() < self.worker_timeout_s:
             return []
+        up = {worker_id: row for worker_id, row in self.view[WORKERS].items() if row.up}
+        last_of = {worker_id: max(filter(None, (self.facts.last_heard(worker_id), row.registered_at)))
+                   for worker_id, row in up.items()}
+        timeout_s = self.worker_timeout_s
+        if len(up) > 1 and all((now - last).total_seconds() > timeout_s for last in last_of.values()):
+            timeout_s *= SHARED_SILENCE_FACTOR
         lost = []
-        for worker_id, row in list(self.view[WORKERS].items()):
-            if not row.up:
-                continue
-            last = max(filter(None, (self.facts.last_heard(worker_id), row.registered_at)))
-            if (now - last).total_seconds() <= self.worker_timeout_s:
+        for worker_id, row in up.items():
+            last = last_of[worker_id]
+            if (now - last).total_seconds() <= timeout_s:
                 continue
             try:
                 heartbeat = await self.telemetry_bus.heartbeat_of(worker_id)
@@ -398,7 +408,7 @@ class Controller:
                 self.facts.heard(heartbeat, now)  # the watch missed it: heard now, if it is news
                 last = max(last, self.facts.last_heard(worker_id) or last)
             silent = (now - last).total_seconds()
-            if silent > self.worker_timeout_s:
+            if silent > timeout_s:
                 await self.record_lost(worker_id, row, last, f"no heartbeat for {silent:.0f} s")
                 lost.append(worker_id)
         if lost:

@@ -250,3 +250,28 @@ async def test_silence_heard_over_a_bus_that_is_away_or_just_back_is_no_death(
     stop.set()
     await task
     assert "no heartbeat" in recorded.payload["reason"]
+
+
+async def test_a_silence_every_worker_shares_is_judged_only_after_three_timeouts(
+        store, bus, settings, telemetry, telemetry_bus, pool_file):
+    """All workers silent at once is likelier the heartbeat bucket (a NATS server lost, its streams electing
+    leaders) than all of them dead: they are given three timeouts, where one silent worker among others gets one."""
+    for worker in ("w8", "w9"):
+        await store.append(f"worker:{worker}", [Envelope.wrap(WorkerRegistered(
+            worker_id=worker, host="h", gpu_memory_gb=24, slots=4, engines=[EngineKind.SIMULATOR]))])
+    c = controller(store, bus, settings, telemetry, telemetry_bus, pool_file, tick_s=0.2, worker_timeout_s=1.0,
+                   bus_up_for_s=lambda: 100.0)
+    stop = asyncio.Event()
+    task = await running(c, stop)
+
+    async def lost() -> set[str]:
+        return {w for w in ("w8", "w9") if any(e.type == "WorkerLost" for e in await store.read_stream(f"worker:{w}"))}
+
+    await asyncio.sleep(2.2)  # both silent past two timeouts (the first of them the new leader's grace)
+    assert await lost() == set()
+    async def both() -> bool:
+        return await lost() == {"w8", "w9"}
+
+    await eventually(both, timeout=5)
+    stop.set()
+    await task
