@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 OUTLOOK_REFRESH_S = 5.0
 SHARED_SILENCE_FACTOR = 3.0
-"""Timeouts a silence every one of several workers shares lasts before they are judged lost (`watch_workers`)."""
+"""Timeouts a silence several workers share lasts before they are judged lost (`watch_workers`)."""
 
 
 def leader_name() -> str:
@@ -143,6 +143,9 @@ class Controller:
         self.outlook_outage = Outage("publishing the controller's outlook", log)
         self.leading_since: datetime | None = None
         self.ticks = 0
+        self.recorded = 0
+        """Decisions this process recorded (each changed something)."""
+        self.workers_lost = 0
         self._wake = asyncio.Event()
 
     # ------------------------------------------------------------------ running
@@ -306,6 +309,7 @@ class Controller:
                       snapshot.version)
             return None
         log.info("%s: %s", snapshot.alias, stored[0].payload["summary"])
+        self.recorded += 1
         return stored[0]
 
     async def apply(self, config: AliasConfig, decision: Decision, decided: Envelope | None) -> None:
@@ -378,10 +382,11 @@ class Controller:
         reached NATS without a break, for a whole timeout (a leader whose bus was away,
         or has just come back, has not heard anyone: that is not their death), and a
         last look at the worker's heartbeat in the bucket finds nothing fresher. When
-        every one of several workers falls silent at once, the heartbeat bucket is the
-        likelier casualty (a NATS server of a cluster lost, its streams electing new
-        leaders while no heartbeat can be written): they are judged only after
-        `SHARED_SILENCE_FACTOR` timeouts.
+        several workers are silent at once, the bus between them and the bucket is the
+        likelier casualty (a NATS server of a cluster lost: the workers it served
+        reconnect elsewhere while the streams elect new leaders, and no heartbeat can be
+        written meanwhile): they are judged only after `SHARED_SILENCE_FACTOR` timeouts.
+        One silent worker among heard ones is judged after one.
         """
         if self.leading_since is None or now - self.leading_since < timedelta(seconds=self.worker_timeout_s):
             return []  # a new leader first gives every worker the chance to be heard
@@ -391,7 +396,7 @@ class Controller:
         last_of = {worker_id: max(filter(None, (self.facts.last_heard(worker_id), row.registered_at)))
                    for worker_id, row in up.items()}
         timeout_s = self.worker_timeout_s
-        if len(up) > 1 and all((now - last).total_seconds() > timeout_s for last in last_of.values()):
+        if sum((now - last).total_seconds() > timeout_s for last in last_of.values()) > 1:
             timeout_s *= SHARED_SILENCE_FACTOR
         lost = []
         for worker_id, row in up.items():
@@ -426,6 +431,7 @@ class Controller:
         except ConcurrencyError:
             return  # the worker spoke up (or registered again) meanwhile
         log.warning("worker %s lost: %s", worker_id, why)
+        self.workers_lost += 1
         for inst in [r for r in self.view[INSTANCES].values() if r.worker_id == worker_id]:
             await self._instance_lost(inst, lost, f"worker {worker_id} lost ({why})")
 

@@ -143,7 +143,20 @@ class Cluster:
         return self.compose.leftovers()
 
     def logs(self, tail: int = 40) -> str:
-        return self.compose("logs", "--no-color", "--tail", str(tail), check=False).stdout
+        """Each service's last lines, less a NATS server's retries of a route to a server that is away."""
+        lines = self.compose("logs", "--no-color", "--tail", str(tail), check=False).stdout.splitlines()
+        return "\n".join(line for line in lines if "Error trying to connect to route" not in line)
+
+    def timeline(self, limit: int = 120) -> str:
+        """The log's last lifecycle facts, one line each: what an operator reads first after a failed fault."""
+        types = ("WorkerRegistered", "WorkerLost", "WorkerDeregistered", "PlacementDecided", "PlacementFailed",
+                 "InstanceStateChanged", "InstanceCommandCompleted", "PolicyDecided")
+        rows = self.sql(
+            f"SELECT to_char(recorded_at, 'HH24:MI:SS.MS'), type, stream_id, coalesce(payload->>'worker_id', ''), "
+            f"coalesce(payload->>'from_state', ''), coalesce(payload->>'to_state', payload->>'outcome', ''), "
+            f"left(coalesce(payload->>'reason', payload->>'detail', ''), 160) FROM {SCHEMA}.events "
+            f"WHERE type IN ({', '.join(repr(t) for t in types)}) ORDER BY position DESC LIMIT {limit}")
+        return "\n".join(" ".join(field for field in row if field) for row in reversed(rows))
 
     def container(self, service: str) -> str:
         return self.compose("ps", "-q", service, timeout_s=60).stdout.strip()
@@ -289,6 +302,7 @@ def lose_a_nats_server(cluster: Cluster, down_s: float = 12.0) -> Outcome:
     leader = until("the events stream's leader", lambda: next(
         (d["cluster"]["leader"] for a in cluster.jetstream("nats-1")["account_details"] for d in a["stream_detail"]
          if d["name"] == events and d.get("cluster", {}).get("leader")), None), timeout_s=30)
+    losses_before = len(cluster.events("WorkerLost"))
     with Load(cluster.url(), WARM_ALIAS, sessions=True) as load:
         time.sleep(2)
         say(f"killing {leader}, the events stream's leader")
@@ -307,7 +321,11 @@ def lose_a_nats_server(cluster: Cluster, down_s: float = 12.0) -> Outcome:
         recovery_s = time.monotonic() - started
         time.sleep(2)
     say_load(f"through {leader}'s loss", load)
-    return Outcome(load, killed_at, recovery_s, {"server": leader, "served_while_down": served_without_it})
+    # Heartbeats pause while the bucket elects a leader: a worker recorded lost meanwhile (then back) is told.
+    workers_lost = len(cluster.events("WorkerLost")) - losses_before
+    say(f"workers recorded lost while {leader} was away: {workers_lost}")
+    return Outcome(load, killed_at, recovery_s, {"server": leader, "served_while_down": served_without_it,
+                                                 "workers_recorded_lost": workers_lost})
 
 
 def lose_the_deciding_autoscaler(cluster: Cluster) -> Outcome:

@@ -45,6 +45,10 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     finally:
         if request.session.testsfailed > failed_before or not all(healthy(cluster.url(s)) for s in cluster.ports):
             say("services' last logs:\n" + cluster.logs()[-20000:])
+            try:
+                say("the log's last lifecycle facts:\n" + cluster.timeline())
+            except Exception as exc:  # the cluster's Postgres may be what failed
+                say(f"the log could not be read: {exc!r}")
         leftovers = cluster.down()
         prune_replaced_images()
         say(f"cluster tests took {time.monotonic() - began:.0f} s")
