@@ -10,6 +10,7 @@ from policy.census import census
 from policy.heteroscale import HeteroScalePolicy
 from policy.hybrid import HybridPolicy
 from policy.ids import decision_id
+from policy.operator import paused_decision, pin_note, pinned
 from policy.reconcile import Reconciler
 from policy.rules import plan_tiers
 from shared.contracts.building import evolve, new_decision, new_policy_state
@@ -31,6 +32,9 @@ def policy_named(name: str) -> Policy:
 
 def decide(snapshot: AliasSnapshot, now: datetime) -> Decision:
     policy = policy_named(snapshot.policy)
+    if snapshot.operator.paused:
+        return paused_decision(snapshot, policy.name, policy.version, decision_id(snapshot.alias, snapshot.version))
+    snapshot = pinned(snapshot)
     metrics = snapshot.metrics
     last_seen = snapshot.state.last_window_end
     new_window = metrics is not None and (last_seen is None or metrics.window_end > last_seen)
@@ -57,7 +61,8 @@ def decide(snapshot: AliasSnapshot, now: datetime) -> Decision:
         policy_version=policy.version,
         decision_id=did,
         targets={b: p.target for b, p in plans.items()},
-        targets_reason="; ".join(f"{b.value}={p.target}: {p.reason}" for b, p in plans.items()),
+        targets_reason="; ".join([*(f"{b.value}={p.target}: {p.reason}" for b, p in plans.items()),
+                                  *filter(None, [pin_note(snapshot)])]),
         state=state,
         mix_weight=proposal.mix_weight,
         routing=proposal.routing,

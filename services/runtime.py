@@ -8,6 +8,7 @@ the service body until SIGTERM / SIGINT, then closes everything in order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -22,6 +23,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.links import ServerLinks, ping_postgres
+from services.service_metrics import ServiceMetrics, metrics_server
 from shared.bus.jetstream import NATS_OPTIONS, Consumer, connect, ensure_streams, servers_of
 from shared.bus.subjects import Subjects
 from shared.bus.telemetry import TelemetryBus
@@ -52,6 +54,8 @@ class ServiceContext:
     broker: NatsBroker
     telemetry_bus: TelemetryBus
     links: ServerLinks
+    metrics: ServiceMetrics
+    """What the service counts, served on `MODELPOOL_METRICS_PORT` when set."""
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def consume(self, *consumers: Consumer) -> None:
@@ -118,6 +122,7 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
         broker=broker,
         telemetry_bus=telemetry_bus,
         links=links,
+        metrics=ServiceMetrics(name),
     )
 
 
@@ -129,7 +134,9 @@ async def close_nats(nc: NATS) -> None:
         await nc.flush(timeout=2)
     except Exception:
         pass
-    await nc.close()
+    # A server gone for good (stopping while NATS is away) has nothing to say goodbye to: closing must not raise.
+    with contextlib.suppress(OSError):
+        await nc.close()
 
 
 def configure_logging(name: str) -> None:
@@ -160,6 +167,11 @@ def run_service(name: str, body: Callable[[ServiceContext], Awaitable[None]], se
                 loop.add_signal_handler(sig, ctx.stop.set)
             log.info("%s started (namespace %s)", name, settings.namespace)
             watching = asyncio.create_task(ctx.links.run(ctx.engine, ctx.nc, ctx.stop))
+            exporting = None
+            if settings.metrics_port is not None:
+                exporter = metrics_server(ctx.metrics, ctx.links, settings.metrics_host, settings.metrics_port)
+                exporting = asyncio.create_task(exporter.serve())
+                log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
             try:
                 await body(ctx)
             except StopRequested as stopped:
@@ -167,6 +179,9 @@ def run_service(name: str, body: Callable[[ServiceContext], Awaitable[None]], se
             finally:
                 ctx.stop.set()
                 await watching
+                if exporting is not None:
+                    exporter.should_exit = True
+                    await exporting
             log.info("%s stopped", name)
 
     loop_factory = None

@@ -46,6 +46,8 @@ ENVIRONMENT = {
     "worker_log_dir": "MODELPOOL_WORKER_LOG_DIR",
     "gateway_id": "MODELPOOL_GATEWAY_ID",
     "health_file": "MODELPOOL_HEALTH_FILE",
+    "metrics_host": "MODELPOOL_METRICS_HOST",
+    "metrics_port": "MODELPOOL_METRICS_PORT",
     "access_log": "MODELPOOL_ACCESS_LOG",
     "otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
     "service_name": "OTEL_SERVICE_NAME",
@@ -92,6 +94,10 @@ class Settings(BaseModel):
     """Names this gateway replica in its metric windows (default: host and process id)."""
     health_file: str | None = None
     """Where a service writes whether it reaches its servers, every second, for `modelpool health` (containers)."""
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Where a service other than the gateway serves its own /metrics (`services/service_metrics.py`); none
+    unless set (the gateway's are on its public port)."""
     access_log: str | None = None
     """A file the gateway appends its access log to, one JSON line per request (rotated at 64 MiB, three kept):
     what `modelpool explain` reads. `modelpool up` keeps it in its data directory."""

@@ -202,3 +202,23 @@ def debian_prometheus() -> Path:
     for deb in debs:
         deb.unlink()
     return unpacked
+
+
+def debian_chromium() -> tuple[str, str]:
+    """The system browser and its driver (Debian's `chromium` and `chromium-driver`), installed where missing
+    and the tests run as root on Debian; the console's tests drive them."""
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if browser and driver:
+        return browser, driver
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.fail("the console's tests need a browser: install Debian's `chromium` and `chromium-driver`")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "--no-install-recommends", "chromium", "chromium-driver"]
+    done = subprocess.run(install, capture_output=True, text=True, timeout=1200, env=env)
+    if done.returncode != 0:  # no package lists yet
+        subprocess.run(["apt-get", "update"], capture_output=True, timeout=600, env=env)
+        done = subprocess.run(install, capture_output=True, text=True, timeout=1200, env=env)
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if done.returncode != 0 or not (browser and driver):
+        pytest.fail(f"could not install Debian's chromium and chromium-driver:\n{done.stderr[-3000:]}")
+    return browser, driver

@@ -325,7 +325,7 @@ def test_a_decision_recorded_with_pool_wide_settings_reads_with_them_in_the_alia
     v1 = {"alias": "a", "policy": "hybrid", "policy_version": 3, "decided_at": "2026-11-26T10:00:00Z",
           "snapshot": snapshot, "decision": {}, "summary": ""}
     version, latest = event_registry().upcast(PolicyDecided.TYPE, 1, v1)
-    assert version == 2 and "settings" not in latest["snapshot"]
+    assert version == PolicyDecided.VERSION and "settings" not in latest["snapshot"]
     read = SNAPSHOT.validate_python(latest["snapshot"])
     assert (read.config.autoscaling_policy.alpha, read.config.autoscaling_policy.mix_weights) == (0.6, (50, 100))
     assert (read.controller.start_retry_s, read.controller.drain_timeout_s) == (7, 90)

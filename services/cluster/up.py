@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -51,6 +52,8 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "pool.yaml"
 
 SIMULATED_GPU_MEMORY_GB = 24
 """What the local worker offers when MODELPOOL_WORKER_GPU_MEMORY_GB does not say: the simulator's GPU."""
+DEFAULT_ADMIN_PORT = 8001
+ADMIN_TOKEN_FILE = "admin-token"
 
 # Every process `up` starts, and everything those start, inherits this
 # variable; the final sweep finds stragglers by it, whatever session they are in.
@@ -273,10 +276,26 @@ def banner(args: argparse.Namespace, servers: BackingServers, env: dict[str, str
         *(f"  {line}" for line in engine_lines(env)),
         f"  worker    offers {env['MODELPOOL_WORKER_GPU_MEMORY_GB']} GB of GPU memory"
         + (" (simulated: no GPU here)" if env["MODELPOOL_WORKER_GPU_MEMORY_GB"] == str(SIMULATED_GPU_MEMORY_GB) else ""),
-        "  watch     modelpool status | modelpool history ALIAS | modelpool load ALIAS   (from this directory)",
+        *([f"  console   http://{LOCALHOST}:{env.get('MODELPOOL_ADMIN_PORT', DEFAULT_ADMIN_PORT)}/console   "
+           f"(its token: {args.data_dir / ADMIN_TOKEN_FILE})"] if env.get("MODELPOOL_ADMIN_TOKEN") else []),
+        "  watch     modelpool top | modelpool status | modelpool history ALIAS   (from this directory)",
         "  Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
+
+
+def admin_token(directory: Path) -> str:
+    """The embedded cluster's admin token (the console's and the admin API's): made at its first start, kept
+    beside its data, readable by its owner only."""
+    path = directory / ADMIN_TOKEN_FILE
+    if path.exists() and len(token := path.read_text().strip()) >= 16:
+        return token
+    directory.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    return token
 
 
 def announce_cluster(directory: Path, env: dict[str, str]) -> Path:
@@ -337,6 +356,12 @@ def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> 
             env.setdefault("MODELPOOL_WORKER_GPU_MEMORY_GB", str(SIMULATED_GPU_MEMORY_GB))
             # Where `modelpool explain` finds a request: the gateway's access log, beside the cluster's data.
             env.setdefault("MODELPOOL_ACCESS_LOG", str(args.data_dir.absolute() / "access.log"))
+            if "gateway" in args.services and "MODELPOOL_ADMIN_TOKEN" not in env:
+                if port_is_free(int(env.get("MODELPOOL_ADMIN_PORT", DEFAULT_ADMIN_PORT))):
+                    env["MODELPOOL_ADMIN_TOKEN"] = admin_token(args.data_dir)
+                else:
+                    output.line("up", f"admin port {env.get('MODELPOOL_ADMIN_PORT', DEFAULT_ADMIN_PORT)} is in use: "
+                                      "no console (choose another with MODELPOOL_ADMIN_PORT)")
             cluster_file = announce_cluster(args.data_dir, env)
             try:
                 output.line("up", "applying migrations")

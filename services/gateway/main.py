@@ -13,6 +13,7 @@ from starlette.applications import Starlette
 from services.gateway.access_log import writing_to
 from services.gateway.admin import create_admin_app
 from services.gateway.app import Gateway, create_app
+from services.gateway.console.series import Series
 from services.gateway.proxy import upstream_client
 from services.runtime import ServiceContext, run_service
 from shared.configuration import load_pool_config
@@ -47,10 +48,14 @@ async def _serve(ctx: ServiceContext, pool: PoolConfig) -> None:
         servers = [http_server(create_app(gateway), settings.gateway_host, settings.gateway_port)]
         print(f"gateway {gateway.gateway_id} listening on http://{settings.gateway_host}:{settings.gateway_port}/v1",
               flush=True)
+        tasks = []
         if settings.admin_token:
-            servers.append(http_server(create_admin_app(ctx, view, settings.admin_token), settings.admin_host,
+            series = Series()
+            servers.append(http_server(create_admin_app(ctx, view, settings.admin_token, series), settings.admin_host,
                                        settings.admin_port))
-            print(f"admin API on http://{settings.admin_host}:{settings.admin_port}/admin", flush=True)
+            tasks.append(series.follow(ctx.telemetry_bus, ctx.stop))
+            admin = f"http://{settings.admin_host}:{settings.admin_port}"
+            print(f"admin API on {admin}/admin, console on {admin}/console", flush=True)
 
         async def stop_servers() -> None:
             await ctx.stop.wait()
@@ -58,7 +63,7 @@ async def _serve(ctx: ServiceContext, pool: PoolConfig) -> None:
                 server.should_exit = True
 
         await asyncio.gather(*(s.serve() for s in servers), view.follow(ctx.nc, ctx.subjects, ctx.stop),
-                             gateway.publish_windows(ctx.stop), gateway.keep_sessions(ctx.stop), stop_servers())
+                             gateway.publish_windows(ctx.stop), gateway.keep_sessions(ctx.stop), stop_servers(), *tasks)
 
 
 def http_server(app: Starlette, host: str, port: int) -> uvicorn.Server:

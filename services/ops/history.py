@@ -23,6 +23,8 @@ from shared.contracts.events import (
     InstanceLoadReported,
     InstanceStateChanged,
     MixWeightChanged,
+    OperatorAction,
+    OperatorCommanded,
     PlacementDecided,
     PlacementFailed,
     PlacementRequested,
@@ -82,7 +84,25 @@ def summarize(event: Event) -> str:
             return f"session {session} migrated {a} -> {b}: {reason}"
         case SessionReleased(session_id=session, reason=reason):
             return f"session {session} released: {reason}"
+        case OperatorCommanded(action=action, operator=operator, reason=reason):
+            return f"operator {operator}: {operator_target(event)}: {reason}"
     return event.TYPE
+
+
+def operator_target(event: OperatorCommanded) -> str:
+    """What an operator asked, in a few words ("pause the controller", "sleep instance i-3 at level 1")."""
+    match event.action:
+        case OperatorAction.PAUSE:
+            return "pause the controller"
+        case OperatorAction.RESUME:
+            return "resume the controller"
+        case OperatorAction.PIN:
+            return f"pin {event.backend_type.value} min_replicas to {event.min_replicas}"  # type: ignore[union-attr]
+        case OperatorAction.UNPIN:
+            return f"unpin {event.backend_type.value} min_replicas"  # type: ignore[union-attr]
+        case OperatorAction.SLEEP:
+            return f"sleep instance {event.instance_id} at level {event.level or 1}"
+    return f"{event.action.value} instance {event.instance_id}"
 
 
 def inputs_of(event: Event) -> dict[str, Any]:

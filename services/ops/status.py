@@ -135,6 +135,11 @@ def render(status: dict[str, Any], now: datetime | None = None) -> str:
                    f"{a['mix_weight']:.0%} of traffic to vLLM, targets {targets}")
         if a["switch_reason"]:
             out.append(f"  why: {a['switch_reason']}")
+        hold = control.get("operator") or {}
+        if hold.get("paused"):
+            out.append(f"  paused by {hold['paused']}: the controller leaves this alias as it is until resumed")
+        for backend, floor in sorted((hold.get("min_replicas") or {}).items()):
+            out.append(f"  {backend} min_replicas pinned to {floor} by an operator")
         pending = control.get("pending") or {}
         if pending:
             out.append("  in flight: " + ", ".join(f"{c['action']} {c['instance_id']}" for c in pending.values()))

@@ -208,6 +208,24 @@ class PolicyState:
         return self.tiers.get(backend) or _NO_TIER_STATE
 
 
+# --------------------------------------------------------------------------- operators
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorHold:
+    """What operators asked of the controller for one alias (`OperatorCommanded` events, the latest of each
+    kind standing): a pause, and minimum replicas pinned per tier."""
+
+    paused: str | None = None
+    """Who paused the alias and why ("alice: load test until 14:00"): nothing is switched, scaled or
+    commanded until it is resumed. None while the controller decides."""
+    min_replicas: dict[BackendType, int] = field(default_factory=dict)
+    """Per tier, a floor that replaces the configured `min_replicas` (never above `max_replicas`)."""
+
+
+NO_HOLD = OperatorHold()
+
+
 # --------------------------------------------------------------------------- snapshot
 
 
@@ -238,6 +256,8 @@ class AliasSnapshot:
     demand: int = 0
     """Requests the gateways hold for this alias right now, waiting for an instance (the cold-start signal)."""
     start_failures: dict[BackendType, StartFailure] = field(default_factory=dict)
+    operator: OperatorHold = NO_HOLD
+    """What operators asked of the controller for this alias (a pause, pinned minimum replicas)."""
 
     @property
     def policy(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
+from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
@@ -56,10 +57,11 @@ class PolicyDecided(Event):
 
     v2: the snapshot's pool-wide `settings` became the hybrid's parameters in its
     `config.autoscaling_policy` and the controller's knobs in its `controller`.
+    v3: the snapshot's `operator`: what operators asked (a pause, pinned minimum replicas).
     """
 
     TYPE = "PolicyDecided"
-    VERSION = 2
+    VERSION = 3
     CATEGORY = "alias"
     alias: str
     policy: str
@@ -149,6 +151,63 @@ class ScalingTargetsChanged(Event):
 
     def stream_key(self) -> str:
         return self.alias
+
+
+class OperatorAction(str, Enum):
+    """What an operator can ask of an alias (the console, the admin API)."""
+
+    DRAIN = "drain"
+    SLEEP = "sleep"
+    WAKE = "wake"
+    DELETE = "delete"
+    PIN = "pin"
+    """Pin a tier's minimum replicas."""
+    UNPIN = "unpin"
+    PAUSE = "pause"
+    """Stop the controller switching, scaling or commanding the alias."""
+    RESUME = "resume"
+
+
+INSTANCE_ACTIONS = {OperatorAction.DRAIN: Action.DRAIN, OperatorAction.SLEEP: Action.SLEEP,
+                    OperatorAction.WAKE: Action.WAKE, OperatorAction.DELETE: Action.DELETE}
+"""The operator actions sent to an instance's worker, as the worker's command."""
+
+
+class OperatorCommanded(Event):
+    """An operator's action on an alias or one of its instances, with who asked and why.
+
+    An instance action is sent to the instance's worker as the controller's commands
+    are, this event its cause (the worker records the change with the operator's
+    reason). A pause or a pin changes what the controller may do: it is in every
+    later snapshot (`OperatorHold`), so the decisions made under it, and their
+    verification by `replay --verify-decisions`, say why.
+    """
+
+    TYPE = "OperatorCommanded"
+    CATEGORY = "alias"
+    alias: str
+    action: OperatorAction
+    operator: str = Field(min_length=1, max_length=100)
+    reason: str = Field(min_length=1, max_length=500)
+    instance_id: str | None = None
+    backend_type: BackendType | None = None
+    min_replicas: int | None = Field(default=None, ge=0)
+    level: int | None = Field(default=None, ge=1, le=2, description="sleep level")
+    command_id: uuid.UUID | None = None
+    """The command sent to the instance's worker (instance actions)."""
+
+    def stream_key(self) -> str:
+        return self.alias
+
+    @model_validator(mode="after")
+    def _complete(self) -> "OperatorCommanded":
+        if self.action in INSTANCE_ACTIONS and not self.instance_id:
+            raise ValueError(f"{self.action.value} needs an instance_id")
+        if self.action in (OperatorAction.PIN, OperatorAction.UNPIN) and self.backend_type is None:
+            raise ValueError(f"{self.action.value} needs a backend_type")
+        if self.action is OperatorAction.PIN and self.min_replicas is None:
+            raise ValueError("pin needs min_replicas")
+        return self
 
 
 # --------------------------------------------------------------------------- workers
@@ -383,6 +442,7 @@ EVENTS: tuple[type[Event], ...] = (
     RoutingStateChanged,
     MixWeightChanged,
     ScalingTargetsChanged,
+    OperatorCommanded,
     WorkerRegistered,
     WorkerDeregistered,
     WorkerLost,
@@ -411,6 +471,7 @@ def event_registry() -> Registry:
     registry.fields_added(AliasConfigured.TYPE, 2)  # and v2 ones valid v3 ones (the hybrid policy)
     registry.fields_added(AliasConfigured.TYPE, 3)  # and v3 ones valid v4 ones (the router's preset)
     registry.fields_added(AliasConfigured.TYPE, 4)  # and v4 ones valid v5 ones (the hybrid's own parameters)
+    registry.fields_added(PolicyDecided.TYPE, 2)  # a v2 snapshot is one without operators' holds
 
     @registry.upcaster(PolicyDecided.TYPE, 1)
     def _settings_split(payload: dict[str, Any]) -> dict[str, Any]:

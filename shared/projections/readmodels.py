@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 from shared.contracts.backends import Action, CommandOutcome
-from shared.contracts.control import StartFailure
+from shared.contracts.control import OperatorHold, StartFailure
 from shared.contracts.events import (
     EVENTS,
     AliasConfigured,
@@ -24,6 +24,8 @@ from shared.contracts.events import (
     InstanceLoadReported,
     InstanceStateChanged,
     MixWeightChanged,
+    OperatorAction,
+    OperatorCommanded,
     PlacementFailed,
     PlacementRequested,
     PolicyDecided,
@@ -222,8 +224,23 @@ def _control_alias_event(rows: dict[str, ControlRow], e: Any, at: datetime) -> I
             pending[str(a.command_id)] = PendingCommandRow(a.action, a.backend, a.instance_id, a.worker_id, a.level,
                                                            at, False, a.role)
         row = row._replace(policy=e.policy, state=e.decision.state, decided_at=e.decided_at, pending=pending)
+    elif isinstance(e, OperatorCommanded):
+        row = row._replace(operator=held(row.operator, e))
     rows[e.alias] = row
     return (e.alias,)
+
+
+def held(hold: OperatorHold, e: OperatorCommanded) -> OperatorHold:
+    """What operators ask of the controller once `e` is recorded (instance actions change nothing here)."""
+    if e.action is OperatorAction.PAUSE:
+        return OperatorHold(f"{e.operator}: {e.reason}", hold.min_replicas)
+    if e.action is OperatorAction.RESUME:
+        return OperatorHold(None, hold.min_replicas)
+    if e.action is OperatorAction.PIN and e.backend_type is not None and e.min_replicas is not None:
+        return OperatorHold(hold.paused, {**hold.min_replicas, e.backend_type: e.min_replicas})
+    if e.action is OperatorAction.UNPIN:
+        return OperatorHold(hold.paused, {b: n for b, n in hold.min_replicas.items() if b is not e.backend_type})
+    return hold
 
 
 def _control_placement_requested(rows: dict[str, ControlRow], e: PlacementRequested, at: datetime) -> Iterable[str]:

@@ -25,7 +25,7 @@ from pydantic import TypeAdapter
 
 from shared.contracts.backends import Action, BackendType, EngineKind, Role
 from shared.contracts.config import AliasConfig
-from shared.contracts.control import PolicyState, StartFailure
+from shared.contracts.control import NO_HOLD, OperatorHold, PolicyState, StartFailure
 from shared.contracts.states import InstanceState, RoutingState
 
 POLICY_STATE: TypeAdapter[PolicyState] = TypeAdapter(PolicyState)
@@ -63,6 +63,12 @@ def _when(value: Any) -> datetime | None:
 
 def _stored_json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
+
+
+def _hold(stored: Mapping[str, Any] | None) -> OperatorHold:
+    if not stored:
+        return NO_HOLD
+    return OperatorHold(stored.get("paused"), {BackendType(b): n for b, n in (stored.get("min_replicas") or {}).items()})
 
 
 def to_record(row: Any) -> list[Any]:
@@ -240,7 +246,7 @@ class ControlRow(NamedTuple):
     the commands in flight, the latest failed start per tier, and notes on instances."""
 
     KEY = "alias"
-    JSON_COLUMNS = frozenset({"state", "pending", "start_failures", "notes"})
+    JSON_COLUMNS = frozenset({"state", "pending", "start_failures", "notes", "operator"})
 
     alias: str
     version: int = 0
@@ -253,6 +259,8 @@ class ControlRow(NamedTuple):
     notes: Mapping[str, InstanceNote] = NO_ENTRIES
     """instance id -> its note."""
     updated_at: datetime | None = None
+    operator: OperatorHold = NO_HOLD
+    """What operators asked of the controller for the alias (a pause, pinned minimum replicas)."""
 
     @classmethod
     def from_record(cls, r: Mapping[str, Any]) -> "ControlRow":
@@ -264,4 +272,5 @@ class ControlRow(NamedTuple):
              for b, f in (_stored_json(r["start_failures"]) or {}).items()},
             {i: InstanceNote.from_json(n) for i, n in (_stored_json(r["notes"]) or {}).items()},
             r["updated_at"],
+            _hold(_stored_json(r["operator"])),
         )

@@ -9,7 +9,7 @@ from datetime import datetime
 
 from shared.contracts.config import AliasConfig, ControllerConfig
 from shared.contracts.building import new_instance_view, new_snapshot
-from shared.contracts.control import AliasSnapshot, InstanceView, MetricWindow, PendingCommand, PolicyState
+from shared.contracts.control import NO_HOLD, AliasSnapshot, InstanceView, MetricWindow, PendingCommand, PolicyState
 from shared.contracts.telemetry import InstanceStatus
 from shared.projections.rows import ControlRow, InstanceNote, InstanceRow, RoutingRow
 
@@ -204,4 +204,5 @@ def build_snapshot(
         metrics=metrics,
         demand=demand,
         start_failures=dict(control_row.start_failures) if control_row else {},
+        operator=control_row.operator if control_row else NO_HOLD,
     )

@@ -21,6 +21,7 @@ from shared.contracts.control import (
     Decision,
     InstanceView,
     MetricWindow,
+    OperatorHold,
     PendingCommand,
     PolicyState,
     StartFailure,
@@ -78,6 +79,7 @@ class World:
     instances: dict[str, InstanceView] = field(default_factory=dict)
     pending: dict[str, PendingCommand] = field(default_factory=dict)
     start_failures: dict[BackendType, StartFailure] = field(default_factory=dict)
+    operator: OperatorHold = field(default_factory=OperatorHold)
     decisions: list[Decision] = field(default_factory=list)
     # The workers' side
     ready_at: dict[str, datetime] = field(default_factory=dict)
@@ -95,7 +97,7 @@ class World:
             targets=dict(self.targets), state=self.state,
             instances=tuple(sorted(self.instances.values(), key=lambda i: i.instance_id)),
             pending=tuple(sorted(self.pending.values(), key=lambda p: str(p.command_id))),
-            metrics=metrics, demand=demand, start_failures=dict(self.start_failures),
+            metrics=metrics, demand=demand, start_failures=dict(self.start_failures), operator=self.operator,
         )
 
     def tick(self, seconds: float = 0.0, metrics: MetricWindow | None = None, demand: int = 0) -> Decision:

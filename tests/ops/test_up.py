@@ -150,7 +150,8 @@ def test_the_default_pool_serves_from_cold_and_operator_commands_find_the_cluste
         data_dir: Path, tmp_path: Path, started: list[Cluster], settings) -> None:
     import openai
 
-    cluster = _start(data_dir, tmp_path / "up.log")
+    admin_port = free_port()
+    cluster = _start(data_dir, tmp_path / "up.log", {"MODELPOOL_ADMIN_PORT": str(admin_port)})
     started.append(cluster)
     cluster.wait_healthy()
     # Nothing started by hand: the first request is held while the controller starts real llama.cpp.
@@ -174,6 +175,18 @@ def test_the_default_pool_serves_from_cold_and_operator_commands_find_the_cluste
     assert explained.returncode == 0, explained.stderr
     assert "served by llama.cpp instance smollm2-135m-fast-" in explained.stdout and "\n  why: " in explained.stdout
     watch_top(bare, tmp_path)
+
+    # The console is on: its token made at the first start, readable by its owner alone, named in the banner.
+    token_file = data_dir / "admin-token"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    assert f"console   http://127.0.0.1:{admin_port}/console" in cluster.output()
+    token = token_file.read_text().strip()
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/console", timeout=10) as page:
+        assert b"console.js" in page.read()
+    asked = urllib.request.Request(f"http://127.0.0.1:{admin_port}/admin/status",
+                                   headers={"authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(asked, timeout=10) as answer:
+        assert [a["alias"] for a in json.loads(answer.read())["aliases"]] == ["smollm2-135m"]
 
     cluster.ctrl_c()
     assert cluster.wait_exit() == 0, cluster.output()
