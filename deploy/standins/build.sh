@@ -1,10 +1,10 @@
 #!/bin/sh
-# Builds local stand-ins for the official base images (python, nats, postgres, haproxy) from Debian's packages,
-# for machines that reach Debian's and PyPI's mirrors but no container image registry:
+# Builds local stand-ins for the official base images (python, nats, postgres, haproxy, prometheus) from
+# Debian's packages, for machines that reach Debian's and PyPI's mirrors but no container image registry:
 #
 #   deploy/standins/build.sh [PYTHON]     # PYTHON: a Python with modelpool installed (default: .venv/bin/python)
 #
-# then `docker compose` with PYTHON_IMAGE, NATS_IMAGE, POSTGRES_IMAGE and HAPROXY_IMAGE set as it prints
+# then `docker compose` with PYTHON_IMAGE, NATS_IMAGE, POSTGRES_IMAGE, HAPROXY_IMAGE and PROMETHEUS_IMAGE set as it prints
 # (docs/deploy.md).
 # Needs root (debootstrap), a running Docker engine and Debian's debootstrap. Every image is built once:
 # the Debian root file system is kept in ~/.cache/modelpool/standins and each image is skipped while it exists.
@@ -52,8 +52,10 @@ build modelpool-standin/python:3.11 python.Dockerfile "$context"
 build modelpool-standin/nats:2 nats.Dockerfile "$context"
 build modelpool-standin/postgres:15 postgres.Dockerfile
 build modelpool-standin/haproxy:2 haproxy.Dockerfile
+build modelpool-standin/prometheus:2 prometheus.Dockerfile
 
 echo "PYTHON_IMAGE=modelpool-standin/python:3.11"
 echo "NATS_IMAGE=modelpool-standin/nats:2"
 echo "POSTGRES_IMAGE=modelpool-standin/postgres:15"
 echo "HAPROXY_IMAGE=modelpool-standin/haproxy:2"
+echo "PROMETHEUS_IMAGE=modelpool-standin/prometheus:2"

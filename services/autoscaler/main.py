@@ -24,6 +24,15 @@ async def serve(ctx: ServiceContext, config: PoolConfig) -> None:
         pool=config, tick_s=config.controller.tick_s, worker_timeout_s=config.controller.worker_timeout_s,
         bus_up_for_s=ctx.links.nats.up_for_s,
     )
+    metrics = ctx.metrics
+    metrics.add("modelpool_autoscaler_leading", "Whether this autoscaler holds the lease and decides (1) or stands by",
+                lambda: int(controller.leading_since is not None))
+    metrics.add("modelpool_autoscaler_ticks_total", "Ticks this autoscaler made while leading",
+                lambda: controller.ticks, kind="counter")
+    metrics.add("modelpool_autoscaler_decisions_total", "Decisions this autoscaler recorded (each changed something)",
+                lambda: controller.recorded, kind="counter")
+    metrics.add("modelpool_autoscaler_workers_lost_total", "Workers this autoscaler recorded lost",
+                lambda: controller.workers_lost, kind="counter")
     await controller.run(ctx.stop)
 
 

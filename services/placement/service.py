@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -72,6 +73,8 @@ class Placement:
         # Placements are not a stored read model: the view is folded from the log itself.
         self.view = LiveView(store, store.engine, [WORKERS, PLACEMENTS])
         self._lock = asyncio.Lock()
+        self.outcomes: Counter[str] = Counter()
+        """Placements this process recorded, by outcome (placed, failed)."""
 
     def workers(self) -> list[WorkerView]:
         placed: dict[str, list[Placed]] = {}
@@ -118,7 +121,9 @@ class Placement:
             )
         stored = await self.store.append(f"placement:{cmd.request_id}", [requested, outcome], 0,
                                          headers=self.telemetry.current_headers())
-        return stored[1] if stored[1].type == PlacementDecided.TYPE else None
+        placed = stored[1].type == PlacementDecided.TYPE
+        self.outcomes["placed" if placed else "failed"] += 1
+        return stored[1] if placed else None
 
     async def _send_start(self, envelope: Envelope, cmd: PlaceInstance, worker_id: str) -> None:
         spec = {name: getattr(cmd, name) for name in EngineSpec.model_fields}

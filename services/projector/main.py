@@ -26,6 +26,8 @@ async def serve(ctx: ServiceContext) -> None:
     projector = Projector(ctx.store, ctx.engine)
     caught = await retry_until_done(projector.catch_up, "loading the projections", log, ctx.stop)
     log.info("projections loaded at position %d (%d events applied on start)", projector.position, caught)
+    ctx.metrics.add("modelpool_projector_position", "The log position the read models are up to",
+                    lambda: projector.position)
     lock = asyncio.Lock()
 
     async def on_event(envelope: Envelope, _: Contract) -> None:

@@ -15,6 +15,10 @@ async def serve(ctx: ServiceContext) -> None:
         listen_dsn=ctx.settings.asyncpg_dsn,
         schema=ctx.settings.namespace,
     )
+    ctx.metrics.add("modelpool_relay_position", "The log position up to which events are published on the bus",
+                    lambda: relay.position)
+    ctx.metrics.add("modelpool_relay_published_total", "Events this relay process published on the bus",
+                    lambda: relay.published, kind="counter")
     await relay.run(ctx.stop)
 
 

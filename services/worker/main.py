@@ -8,6 +8,7 @@ import logging
 import re
 import shutil
 import socket
+from collections import Counter
 from pathlib import Path
 
 from nats.js import JetStreamContext
@@ -96,6 +97,13 @@ async def serve(ctx: ServiceContext) -> None:
         report_interval_s=settings.worker_report_interval_s,
     )
     engines = available_engines()
+    metrics = ctx.metrics
+    metrics.add("modelpool_worker_instances", "This worker's instances by backend and state",
+                lambda: dict(Counter((("backend", i.backend_type.value), ("state", i.state.value))
+                                     for i in worker.instances.values())))
+    metrics.add("modelpool_worker_heartbeats_total", "Heartbeats this worker sent, and those it could not",
+                lambda: {(("outcome", "sent"),): worker.heartbeats_sent,
+                         (("outcome", "missed"),): worker.heartbeats_missed}, kind="counter")
     await worker.register(engines)
     await retry_until_done(worker.reconcile, "reading this worker's instances from the log", log, ctx.stop)
 

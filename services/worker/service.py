@@ -115,6 +115,8 @@ class Worker:
         self.instances: dict[str, Instance] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.heartbeats_sent = 0
+        self.heartbeats_missed = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -456,8 +458,10 @@ class Worker:
                 await telemetry_bus.put_heartbeat(await self.heartbeat())
             except (NatsError, asyncio.TimeoutError) as exc:  # NATS is reconnecting: the next beat tries again
                 outage.failed(exc)
+                self.heartbeats_missed += 1
             else:
                 outage.succeeded()
+                self.heartbeats_sent += 1
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, self.report_interval_s - (loop.time() - started)))
 

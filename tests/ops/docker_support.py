@@ -78,7 +78,8 @@ def build_standins() -> dict[str, str]:
     """The stand-ins for the official base images (deploy/standins/build.sh), as compose variables."""
     done = run(["sh", str(REPO / "deploy" / "standins" / "build.sh"), sys.executable], timeout_s=2400)
     images = dict(line.split("=", 1) for line in done.stdout.split() if "=" in line)
-    assert set(images) == {"PYTHON_IMAGE", "NATS_IMAGE", "POSTGRES_IMAGE", "HAPROXY_IMAGE"}, done.stdout
+    assert set(images) == {"PYTHON_IMAGE", "NATS_IMAGE", "POSTGRES_IMAGE", "HAPROXY_IMAGE", "PROMETHEUS_IMAGE"}, \
+        done.stdout
     return images
 
 
@@ -111,7 +112,9 @@ class Compose:
 
     def __init__(self, project: str, env: dict[str, str], files: Sequence[str] = ("docker-compose.yml",)) -> None:
         self.project = project
-        self.env = {**os.environ, **env}
+        # On the vfs storage driver a container's creation copies its image whole: creating a cluster's worth at
+        # once outlasts compose's default 60 s wait for the engine's answer.
+        self.env = {"COMPOSE_HTTP_TIMEOUT": "600", **os.environ, **env}
         self.files = [arg for f in files for arg in ("-f", str(REPO / f))]
 
     def __call__(self, *args: str, timeout_s: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -9,9 +9,11 @@ and started (`docker_support.py`); where none can run, the test fails saying how
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import secrets
 import threading
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -36,7 +38,16 @@ def test_the_compose_file_names_the_official_images_behind_variables() -> None:
     assert services["postgres"]["image"] == "${POSTGRES_IMAGE:-postgres:16}"
     assert services["migrate"]["build"]["args"]["PYTHON_IMAGE"] == "${PYTHON_IMAGE:-python:3.11-slim}"
     assert "ARG PYTHON_IMAGE=python:3.11-slim" in (REPO / "Dockerfile").read_text()
-    assert sorted(name for name in services if name not in ("nats", "postgres", "migrate")) == sorted(SERVICES)
+    assert services["prometheus"]["image"] == "${PROMETHEUS_IMAGE:-prom/prometheus:v2.53.0}"
+    assert services["prometheus"]["profiles"] == ["observability"]  # only when asked for
+    ours = [name for name in services if name not in ("nats", "postgres", "migrate", "prometheus")]
+    assert sorted(ours) == sorted(SERVICES)
+    # Every service serves its own /metrics on the compose network, where Prometheus scrapes each of them.
+    scraped = yaml.safe_load((REPO / "deploy" / "prometheus" / "compose.yml").read_text())["scrape_configs"]
+    targets = {t for job in scraped for group in job["static_configs"] for t in group["targets"]}
+    assert targets == {"gateway:8000", *(f"{name}:9100" for name in ours)}
+    for name in ours:
+        assert services[name]["environment"]["MODELPOOL_METRICS_PORT"] == "9100", name
 
 
 def test_compose_up_serves_from_cold_through_restarts_then_down_leaves_nothing() -> None:
@@ -44,9 +55,11 @@ def test_compose_up_serves_from_cold_through_restarts_then_down_leaves_nothing()
     ensure_docker_engine()
     images = build_standins()
     offer_llama_wheel()
-    port = free_port()
+    port, prometheus_port = free_port(), free_port()
+    # With the `observability` profile: Prometheus scraping every service, as an operator would run it.
     compose = Compose(f"mptest{secrets.token_hex(4)}", {
-        **images, "MODELPOOL_GATEWAY_BIND": f"127.0.0.1:{port}", "MODELPOOL_API_KEYS": API_KEY})
+        **images, "MODELPOOL_GATEWAY_BIND": f"127.0.0.1:{port}", "MODELPOOL_API_KEYS": API_KEY,
+        "MODELPOOL_PROMETHEUS_BIND": f"127.0.0.1:{prometheus_port}", "COMPOSE_PROFILES": "observability"})
     url = f"http://127.0.0.1:{port}"
     try:
         say("building the modelpool image")
@@ -75,6 +88,9 @@ def test_compose_up_serves_from_cold_through_restarts_then_down_leaves_nothing()
         assert raw.headers["x-modelpool-engine"] == "llama.cpp"  # the real engine, not the simulator
         say(f"answered from COLD in {time.monotonic() - sent:.1f} s by {raw.headers['x-modelpool-instance']}")
 
+        scraped = every_service_scraped(f"http://127.0.0.1:{prometheus_port}")
+        say(f"Prometheus scrapes every service: {sorted(scraped)}")
+
         results = load_through_restarts(client, compose)
         failed = [r for r in results if r is not None]
         assert len(results) >= 20 and not failed, f"{len(failed)} of {len(results)} failed: {failed[:5]}"
@@ -90,6 +106,32 @@ def test_compose_up_serves_from_cold_through_restarts_then_down_leaves_nothing()
         prune_replaced_images()
     assert compose.leftovers() == {}
     say(f"whole test {time.monotonic() - began:.0f} s")
+
+
+def every_service_scraped(prometheus: str, timeout_s: float = 120) -> set[str]:
+    """Once Prometheus has every target up: the services whose own /metrics say they reach both servers."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while True:
+        try:
+            with urllib.request.urlopen(f"{prometheus}/api/v1/targets", timeout=5) as answer:
+                targets = json.loads(answer.read())["data"]["activeTargets"]
+            with urllib.request.urlopen(f"{prometheus}/api/v1/query?query=modelpool_service_server_up",
+                                        timeout=5) as answer:
+                series = json.loads(answer.read())["data"]["result"]
+            last = (targets, series)
+            reaching = {s["metric"]["service"] for s in series if s["value"][1] == "1"}
+            every = {t["labels"].get("service", t["labels"]["job"]) for t in targets}
+            if targets and all(t["health"] == "up" for t in targets) and reaching == every - {"modelpool-gateway"} \
+                    and len(series) == 2 * len(reaching):
+                with urllib.request.urlopen(f"{prometheus}/api/v1/rules", timeout=5) as answer:
+                    groups = json.loads(answer.read())["data"]["groups"]
+                assert sum(len(g["rules"]) for g in groups) == 7, groups  # alerts.yml is loaded beside it
+                assert reaching == set(SERVICES), reaching
+                return reaching
+        except OSError as exc:  # not up yet
+            last = exc
+        assert time.monotonic() < deadline, f"Prometheus never had every service up: {last}"
+        time.sleep(2)
 
 
 def load_through_restarts(client: openai.OpenAI, compose: Compose, clients: int = 3,

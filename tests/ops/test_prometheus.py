@@ -27,8 +27,9 @@ def run(promtool: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_configuration_and_the_rules_load(promtool):
-    config = run(promtool, "check", "config", "prometheus.yml")
-    assert config.returncode == 0, config.stdout + config.stderr
+    for name in ("prometheus.yml", "compose.yml"):  # this machine's pool, and docker-compose.yml's
+        config = run(promtool, "check", "config", name)
+        assert config.returncode == 0, config.stdout + config.stderr
     rules = run(promtool, "check", "rules", "alerts.yml")
     assert rules.returncode == 0 and "SUCCESS: 7 rules found" in rules.stdout, rules.stdout + rules.stderr
 
