@@ -19,10 +19,12 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 from services.cluster.supervisor import Child, service_argv, stop
+from services.worker.service import REGISTERED
 from shared.net import free_port
 
 CONTROL_SERVICES = ("relay", "projector", "placement", "autoscaler", "gateway")
@@ -58,21 +60,26 @@ class LocalPool:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, ready_timeout_s: float = 60.0) -> "LocalPool":
-        # Workers first: they register while the control plane starts, so its first placements see them all.
+        deadline = time.monotonic() + ready_timeout_s
+        # Workers first, and the control plane once each has registered: its first placements must see them
+        # all (placement never moves a running instance, so replicas placed before a worker joins stay together).
         for worker_id in self.worker_settings:
             self.start_worker(worker_id)
+        self._wait(lambda: all(f" {REGISTERED} as worker " in self.processes[f"worker-{w}"].logged()
+                               for w in self.worker_settings), deadline)
         for name in CONTROL_SERVICES:
             self.start_service(name)
-        deadline = time.monotonic() + ready_timeout_s
-        # Up once the gateway answers and the log has every worker registered: a placement made before a
-        # worker registers would put every instance on the others.
-        while not (self._healthy() and self._workers_up() >= len(self.worker_settings)):
+        # Up once the gateway answers and its view of the log has every worker up.
+        self._wait(lambda: self._healthy() and self._workers_up() >= len(self.worker_settings), deadline)
+        return self
+
+    def _wait(self, ready: Callable[[], bool], deadline: float) -> None:
+        while not ready():
             dead = [p.name for p in self.processes.values() if not p.alive]
             if dead or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"the pool did not come up (exited: {dead or 'none'}); logs in {self.workdir}")
             time.sleep(0.2)
-        return self
 
     def start_service(self, name: str, command: str | None = None, env: dict[str, str] | None = None) -> Child:
         """Start `modelpool <command>` (default: `name`) as `name`; it writes whether it reaches its servers

@@ -84,6 +84,10 @@ class Instance:
     role: Role | None = None
 
 
+REGISTERED = "registered"
+"""The first word of the line a worker logs once the log has its registration (`LocalPool` waits for it)."""
+
+
 class Worker:
     def __init__(
         self,
@@ -125,6 +129,8 @@ class Worker:
             WorkerRegistered(worker_id=self.worker_id, host=self.host, gpu_memory_gb=self.gpu_memory_gb,
                              slots=self.slots, engines=engines)
         )
+        log.info("%s as worker %s on %s: %g GB of GPU memory, %d slots, engines %s", REGISTERED, self.worker_id,
+                 self.host, self.gpu_memory_gb, self.slots, ", ".join(e.value for e in engines))
 
     async def keep_registered(self, engines: list[EngineKind], stop: asyncio.Event, every_s: float = 2.0) -> None:
         """Register again whenever the log says this worker was lost (or deregistered by someone else).
