@@ -16,14 +16,18 @@ import sys
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
 
 from faststream.nats import NatsBroker
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.types import ASGIApp
 
 from services.links import ServerLinks, ping_postgres
-from services.service_metrics import ServiceMetrics, metrics_server
+from services.service_metrics import ServiceMetrics, metrics_app
 from shared.bus.jetstream import NATS_OPTIONS, Consumer, connect, ensure_streams, servers_of
 from shared.bus.subjects import Subjects
 from shared.bus.telemetry import TelemetryBus
@@ -139,6 +143,15 @@ async def close_nats(nc: NATS) -> None:
         await nc.close()
 
 
+def http_server(app: ASGIApp, host: str, port: int, **config: Any) -> uvicorn.Server:
+    """uvicorn serving `app` without access log or lifespan; the service's own signal handling decides when to stop,
+    uvicorn only serves. `config`: more of uvicorn's settings."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           lifespan="off", **config))
+    server.capture_signals = contextlib.nullcontext
+    return server
+
+
 def configure_logging(name: str) -> None:
     logging.basicConfig(
         level=logging.INFO,
@@ -169,7 +182,7 @@ def run_service(name: str, body: Callable[[ServiceContext], Awaitable[None]], se
             watching = asyncio.create_task(ctx.links.run(ctx.engine, ctx.nc, ctx.stop))
             exporting = None
             if settings.metrics_port is not None:
-                exporter = metrics_server(ctx.metrics, ctx.links, settings.metrics_host, settings.metrics_port)
+                exporter = http_server(metrics_app(ctx.metrics, ctx.links), settings.metrics_host, settings.metrics_port)
                 exporting = asyncio.create_task(exporter.serve())
                 log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
             try:

@@ -10,14 +10,12 @@ reaches Postgres and NATS and since when.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -86,14 +84,10 @@ class ServiceMetrics:
         return "\n".join(out) + "\n"
 
 
-def metrics_server(metrics: ServiceMetrics, links: ServerLinks, host: str, port: int) -> uvicorn.Server:
+def metrics_app(metrics: ServiceMetrics, links: ServerLinks) -> Starlette:
     """/metrics for Prometheus, and nothing else (404)."""
 
     async def scrape(_: Request) -> Response:
         return PlainTextResponse(metrics.render(links), media_type="text/plain; version=0.0.4")
 
-    app = Starlette(routes=[Route("/metrics", scrape)])
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                           lifespan="off"))
-    server.capture_signals = contextlib.nullcontext  # the service handles its own signals
-    return server
+    return Starlette(routes=[Route("/metrics", scrape)])

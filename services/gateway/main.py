@@ -15,7 +15,7 @@ from services.gateway.admin import create_admin_app
 from services.gateway.app import Gateway, create_app
 from services.gateway.console.series import Series
 from services.gateway.proxy import upstream_client
-from services.runtime import ServiceContext, run_service
+from services.runtime import ServiceContext, http_server, run_service
 from shared.configuration import load_pool_config
 from shared.contracts.config import PoolConfig
 from shared.faults import retry_until_done
@@ -45,13 +45,13 @@ async def _serve(ctx: ServiceContext, pool: PoolConfig) -> None:
         gateway = Gateway(ctx.settings, view, client, ctx.telemetry_bus, pool, ctx.telemetry)
         await retry_until_done(gateway.start, "reading the aliases' start times", log, ctx.stop)
         settings = ctx.settings
-        servers = [http_server(create_app(gateway), settings.gateway_host, settings.gateway_port)]
+        servers = [gateway_server(create_app(gateway), settings.gateway_host, settings.gateway_port)]
         print(f"gateway {gateway.gateway_id} listening on http://{settings.gateway_host}:{settings.gateway_port}/v1",
               flush=True)
         tasks = []
         if settings.admin_token:
             series = Series()
-            servers.append(http_server(create_admin_app(ctx, view, settings.admin_token, series), settings.admin_host,
+            servers.append(gateway_server(create_admin_app(ctx, view, settings.admin_token, series), settings.admin_host,
                                        settings.admin_port))
             tasks.append(series.follow(ctx.telemetry_bus, ctx.stop))
             admin = f"http://{settings.admin_host}:{settings.admin_port}"
@@ -66,16 +66,10 @@ async def _serve(ctx: ServiceContext, pool: PoolConfig) -> None:
                              gateway.publish_windows(ctx.stop), gateway.keep_sessions(ctx.stop), stop_servers(), *tasks)
 
 
-def http_server(app: Starlette, host: str, port: int) -> uvicorn.Server:
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-        timeout_keep_alive=CLIENT_KEEPALIVE_S,
-        # Held requests and long streams would otherwise keep a stopping gateway up for minutes.
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    ))
-    # The service's own signal handling decides when to stop; uvicorn only serves.
-    server.capture_signals = contextlib.nullcontext
-    return server
+def gateway_server(app: Starlette, host: str, port: int) -> uvicorn.Server:
+    return http_server(app, host, port, timeout_keep_alive=CLIENT_KEEPALIVE_S,
+                       # Held requests and long streams would otherwise keep a stopping gateway up for minutes.
+                       timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 
 
 def main(argv: list[str]) -> int:

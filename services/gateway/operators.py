@@ -41,8 +41,7 @@ def _who_and_why(body: dict[str, Any]) -> tuple[str, str]:
 
 
 async def _record(ctx: ServiceContext, event: OperatorCommanded) -> Envelope:
-    envelope = Envelope.wrap(event, id=uuid.uuid4())
-    (stored,) = await ctx.store.append(f"alias:{event.alias}", [envelope], headers=ctx.telemetry.current_headers())
+    (stored,) = await ctx.record(Envelope.wrap(event))
     return stored
 
 
