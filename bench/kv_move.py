@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -37,15 +39,18 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.gateway.kv_moves import move_kv  # noqa: E402
+from services.gateway.kv_moves import KVMover, session_tag  # noqa: E402
 from shared.contracts.backends import BackendType, EngineKind  # noqa: E402
 from shared.contracts.states import InstanceState  # noqa: E402
+from shared.internal_auth import SECRET_ENV  # noqa: E402
 from shared.projections.rows import InstanceRow  # noqa: E402
 from shared.net import free_ports  # noqa: E402
+from shared.openai_protocol import SESSION_TAG_HEADER  # noqa: E402
 
 from harness import BenchService, wait_ready  # noqa: E402
 
 ALIAS = "smollm2"
+SESSION = "bench/kv-move"
 
 
 def say(message: str) -> None:
@@ -71,7 +76,7 @@ async def ttft(client: httpx.AsyncClient, url: str, prompt: list[int]) -> tuple[
     """Seconds to the first token of a one-token completion, and the cached tokens the engine reports."""
     started = time.perf_counter()
     response = await client.post(f"{url}/v1/completions", json={"model": ALIAS, "prompt": prompt, "max_tokens": 1,
-                                                                "temperature": 0})
+                                                                "temperature": 0}, headers={SESSION_TAG_HEADER: session_tag(SESSION)})
     response.raise_for_status()
     usage = response.json()["usage"]
     return time.perf_counter() - started, (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -79,6 +84,8 @@ async def ttft(client: httpx.AsyncClient, url: str, prompt: list[int]) -> tuple[
 
 async def measure(args: argparse.Namespace, work: Path) -> dict:
     rng = random.Random(args.seed)
+    secret = secrets.token_urlsafe(32)
+    os.environ[SECRET_ENV] = secret  # the engines' cluster secret (they inherit this environment)
     engines = [start(name, work, args) for name in ("source", "target")]
     try:
         for process, url, internal in engines:
@@ -87,7 +94,8 @@ async def measure(args: argparse.Namespace, work: Path) -> dict:
         (_, source, source_internal), (_, target, target_internal) = engines
         rows = []
         # The gateway's own move (services/gateway/kv_moves.py), on an aiohttp client as the gateway's.
-        async with httpx.AsyncClient(timeout=600) as client, aiohttp.ClientSession() as mover:
+        async with httpx.AsyncClient(timeout=600) as client, aiohttp.ClientSession() as session:
+            mover = KVMover(session, secret.encode(), time.perf_counter)
             await ttft(client, target, [1000, 1001, 1002])  # warm-up
             for n in args.tokens:
                 runs = []
@@ -95,10 +103,9 @@ async def measure(args: argparse.Namespace, work: Path) -> dict:
                     prompt = [rng.randrange(1000, 40000) for _ in range(n)]
                     await ttft(client, source, prompt)
                     turn = prompt + [rng.randrange(1000, 40000)]
-                    move = await move_kv(mover, engine_row("source", source_internal),
-                                         engine_row("target", target_internal),
-                                         "/v1/completions", json.dumps({"model": ALIAS, "prompt": turn}).encode(),
-                                         timeout_s=60, clock=time.perf_counter)
+                    move = await mover.move(engine_row("source", source_internal),
+                                            engine_row("target", target_internal), SESSION, "/v1/completions",
+                                            json.dumps({"model": ALIAS, "prompt": turn}).encode(), timeout_s=60)
                     if not move.moved:
                         raise RuntimeError(f"the KV did not move: {move.detail}")
                     move_s = move.seconds

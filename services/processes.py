@@ -201,6 +201,11 @@ def log_tail(path: Path, limit: int = 4000) -> str:
     return text[-limit:].strip() or "(empty log)"
 
 
+RUN_MARKER = "MODELPOOL_UP_RUN"
+"""Every process `modelpool up` starts, and everything those start (engines too), inherits this variable; its
+final sweep finds stragglers by it, whatever session they are in."""
+
+
 def processes_with_marker(marker: str) -> list[int]:
     """Pids whose environment carries `marker` (a whole `NAME=value` entry; readable only for our own processes)."""
     needle = marker.encode()

@@ -1,12 +1,17 @@
 """The wire format of a session's KV as engines export and import it on their internal port.
 
-One frame: 4 bytes (big-endian) giving the header's length, the header as
-JSON, then the engine's own serialisation of the sequence (llama.cpp's
-`llama_state_seq_get_data`; empty for the simulated engine, whose KV is a
-model). The header says what the state is and what it fits:
+One frame: a 32-byte HMAC-SHA256 of everything after it under the cluster
+secret (shared/internal_auth.py), 4 bytes (big-endian) giving the header's
+length, the header as JSON, then the engine's own serialisation of the sequence
+(llama.cpp's `llama_state_seq_get_data`; empty for the simulated engine, whose
+KV is a model). The header says what the state is, whose it is and what it fits:
 
-    {"format": "modelpool-kv/1", "engine": "llama.cpp", "model": "<fingerprint>",
-     "n_tokens": 812, "tokens": [...], "bytes": 18708480}
+    {"format": "modelpool-kv/2", "engine": "llama.cpp", "model": "<fingerprint>",
+     "session": "<the gateway's session key>", "n_tokens": 812, "tokens": [...], "bytes": 18708480}
+
+An importing engine checks the signature before it parses anything: a frame
+some other party made or altered (a forged prefix planted in the cache, or a
+state crafted to crash llama.cpp) never reaches the engine.
 
 `bytes` is the KV's size on the wire: the blob's length for a real engine,
 the modelled size for the simulated one. The gateway relays frames without
@@ -15,13 +20,16 @@ reading them.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import struct
 from typing import Any
 
-FORMAT = "modelpool-kv/1"
+FORMAT = "modelpool-kv/2"
 MEDIA_TYPE = "application/vnd.modelpool.kv"
 _LENGTH = struct.Struct(">I")
+_MAC_BYTES = 32
 
 
 class BadFrame(ValueError):
@@ -32,13 +40,25 @@ class Incompatible(BadFrame):
     """A well-formed frame from another engine or model: its KV means nothing here."""
 
 
-def encode(header: dict[str, Any], blob: bytes = b"") -> bytes:
+class Forged(BadFrame):
+    """A frame not signed with this cluster's secret, or altered since."""
+
+
+def _mac(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, FORMAT.encode() + body, hashlib.sha256).digest()
+
+
+def encode(header: dict[str, Any], blob: bytes = b"", *, key: bytes) -> bytes:
     head = json.dumps({"format": FORMAT, **header}, separators=(",", ":")).encode()
-    return _LENGTH.pack(len(head)) + head + blob
+    body = _LENGTH.pack(len(head)) + head + blob
+    return _mac(key, body) + body
 
 
-def decode(frame: bytes, *, engine: str, model: str) -> tuple[dict[str, Any], bytes]:
-    """The header and blob of a frame, checked against the importing engine and model."""
+def decode(signed: bytes, *, engine: str, model: str, key: bytes) -> tuple[dict[str, Any], bytes]:
+    """The header and blob of a frame, its signature checked first, then its engine and model."""
+    if len(signed) < _MAC_BYTES or not hmac.compare_digest(signed[:_MAC_BYTES], _mac(key, signed[_MAC_BYTES:])):
+        raise Forged("the KV frame is not signed with this cluster's secret (forged, altered or truncated)")
+    frame = signed[_MAC_BYTES:]
     if len(frame) < _LENGTH.size:
         raise BadFrame("the KV frame is shorter than its length prefix")
     (n,) = _LENGTH.unpack_from(frame)

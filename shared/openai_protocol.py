@@ -18,6 +18,9 @@ log = logging.getLogger(__name__)
 
 ENGINE_HEADER = "x-modelpool-engine"
 """Response header naming the engine that served a request (`llama.cpp`, `vllm`, `simulated-vllm`, ...)."""
+SESSION_TAG_HEADER = "x-modelpool-session"
+"""Request header from the gateway to an engine: the session a request belongs to, which an engine that moves KV
+keeps on the request's cache entry (an export names the session it takes)."""
 
 
 # --------------------------------------------------------------------------- errors

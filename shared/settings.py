@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from shared.configuration import from_environment, layered
+from shared.internal_auth import load_secret
 
 # The namespace names the Postgres schema and prefixes every bus subject and
 # stream, so several pools (or test runs) share one server without touching each other.
@@ -34,6 +35,8 @@ ENVIRONMENT = {
     "admin_host": "MODELPOOL_ADMIN_HOST",
     "admin_port": "MODELPOOL_ADMIN_PORT",
     "admin_token": "MODELPOOL_ADMIN_TOKEN",
+    "cluster_secret": "MODELPOOL_CLUSTER_SECRET",
+    "cluster_secret_file": "MODELPOOL_CLUSTER_SECRET_FILE",
     "worker_id": "MODELPOOL_WORKER_ID",
     "worker_host": "MODELPOOL_WORKER_HOST",
     "worker_gpu_memory_gb": "MODELPOOL_WORKER_GPU_MEMORY_GB",
@@ -71,6 +74,10 @@ class Settings(BaseModel):
     admin_port: int = Field(default=8001, ge=0, le=65535)
     admin_token: str | None = Field(default=None, min_length=16)
     """The gateway's admin API (its own port) is served only when a token is set; 16 characters at least."""
+    cluster_secret: SecretStr | None = None
+    cluster_secret_file: str | None = None
+    """The cluster secret (or the file holding it) that signs calls to engines' internal ports and the KV they move
+    (shared/internal_auth.py); without one the gateway moves no KV and engines refuse such calls."""
     worker_id: str | None = None
     worker_host: str = "127.0.0.1"
     """The address this worker's engines listen on and are reached at: loopback, or the worker's own
@@ -119,6 +126,11 @@ class Settings(BaseModel):
                              "engines' control endpoints must not be reachable from other networks")
         return value
 
+    @model_validator(mode="after")
+    def _readable_secret(self) -> "Settings":
+        self.cluster_key  # a secret file that cannot be read, or a short secret: said at start, by its setting
+        return self
+
     @field_validator("database_url")
     @classmethod
     def _postgres(cls, value: str) -> str:
@@ -133,6 +145,12 @@ class Settings(BaseModel):
         found = {k: v for k, v in local_cluster(environ).items() if k != "gateway"} if discover else {}
         return layered(cls, [(f"{data_dir(environ) / CLUSTER_FILE}", found), *from_environment(environ, ENVIRONMENT),
                              ("arguments", explicit)])
+
+    @property
+    def cluster_key(self) -> bytes | None:
+        """The cluster secret's bytes, from the value or the file; None when neither is set."""
+        value = self.cluster_secret.get_secret_value() if self.cluster_secret else None
+        return load_secret(value, self.cluster_secret_file)
 
     @property
     def asyncpg_dsn(self) -> str:

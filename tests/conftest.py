@@ -128,7 +128,10 @@ def namespace() -> str:
 
 @pytest.fixture
 def settings(servers: Servers, namespace: str) -> Settings:
-    return Settings.load({}, database_url=servers.database_url, nats_url=servers.nats_url, namespace=namespace)
+    from helpers import CLUSTER_SECRET  # engines the tests start share it
+
+    return Settings.load({}, database_url=servers.database_url, nats_url=servers.nats_url, namespace=namespace,
+                         cluster_secret=CLUSTER_SECRET)
 
 
 @pytest_asyncio.fixture

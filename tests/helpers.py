@@ -15,7 +15,26 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shared.internal_auth import SECRET_ENV, sign
 from shared.net import free_ports
+
+CLUSTER_SECRET = "modelpool-tests-cluster-secret-0123456789"
+"""The cluster secret of engines and gateways the tests start (shared/internal_auth.py)."""
+CLUSTER_KEY = CLUSTER_SECRET.encode()
+
+
+def signed(path: str, body: bytes, content_type: str = "application/json", key: bytes = CLUSTER_KEY) -> dict[str, str]:
+    """Headers for a POST of `body` to an engine's internal `path`, signed as the gateway signs it."""
+    return {"content-type": content_type, **sign(key, "POST", path, body)}
+
+
+def post_signed(client: httpx.Client, base: str, path: str, payload: bytes | dict,
+                content_type: str = "application/json") -> httpx.Response:
+    """POST `payload` (bytes, or a dict sent as JSON) to an engine's internal `path` at `base`, signed."""
+    import json
+
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return client.post(f"{base}{path}", content=body, headers=signed(path, body, content_type))
 
 
 async def eventually(predicate, timeout: float = 10.0, interval: float = 0.05):
@@ -143,7 +162,8 @@ def start_engine(log_dir: Path, profile: str, alias: str, *options: str, env: di
         [sys.executable, "-m", "services.cli", "engine", "sim", "--profile", profile, "--port", str(port),
          "--model", alias, "--startup-s", "0", *options,
          *(["--internal-port", str(internal_port)] if internal_port else [])],
-        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
+        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, SECRET_ENV: CLUSTER_SECRET, **(env or {})},
     )
     return EngineProcess(f"http://127.0.0.1:{port}", proc, log_path,
                          f"http://127.0.0.1:{internal_port}" if internal_port else None)
@@ -157,6 +177,7 @@ def start_llama_engine(log_dir: Path, alias: str, *options: str) -> EngineProces
         [sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--port", str(port), "--model-alias", alias,
          "--internal-port", str(internal_port), "--threads", "1", "--log-level", "warning", *options],
         stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, SECRET_ENV: CLUSTER_SECRET},
     )
     return EngineProcess(f"http://127.0.0.1:{port}", proc, log_path, f"http://127.0.0.1:{internal_port}")
 

@@ -18,7 +18,9 @@ import pytest
 from services.engines.llama_server.binary import llama_server_binary
 from services.engines.llamacpp.model_files import default_model_path
 from services.processes import descendants_of
+from helpers import CLUSTER_KEY, CLUSTER_SECRET, post_signed
 from shared import kv_frames
+from shared.internal_auth import SECRET_ENV
 from shared.net import free_ports
 
 pytestmark = [pytest.mark.processes, pytest.mark.model]
@@ -36,7 +38,8 @@ class Server:
              "--internal-port", str(internal), "--", "--model", str(default_model_path()), "--host", "127.0.0.1",
              "--port", str(port), "--alias", "smol", "--parallel", "2", "--ctx-size", "4096", "--threads", "1",
              "--no-webui", "--slot-save-path", str(slots)],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, SECRET_ENV: CLUSTER_SECRET})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
@@ -83,14 +86,20 @@ def test_a_session_moved_between_llama_servers_answers_its_next_turn_from_the_mo
     first = chat(source.url, history)
     turn2 = [*history, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
              {"role": "user", "content": "Which of them is the longest?"}]
-    request = {"endpoint": "/v1/chat/completions", "request": {"model": "smol", "messages": turn2}}
+    request = {"session": "s1", "endpoint": "/v1/chat/completions", "request": {"model": "smol", "messages": turn2}}
+    client = httpx.Client(timeout=30)
 
-    exported = httpx.post(f"{source.internal}/kv/export", json=request, timeout=30)
+    # Another conversation under the same system prompt shares its opening only: the slot is not its to take.
+    stranger = [history[0], {"role": "user", "content": "Name three mountains in Africa."}]
+    taken = post_signed(client, source.internal, "/kv/export", {**request, "request": {"messages": stranger}})
+    assert taken.status_code == 404 and taken.json()["error"]["code"] == "no_cached_prefix"
+    assert client.post(f"{source.internal}/kv/export", json=request).status_code == 401  # unsigned
+    exported = post_signed(client, source.internal, "/kv/export", request)
     assert exported.status_code == 200, exported.text
-    header, blob = kv_frames.decode(exported.content, engine="llama-server", model=header_model(exported.content))
-    assert header["n_tokens"] > 60 and header["bytes"] == len(blob) > 0
-    imported = httpx.post(f"{target.internal}/kv/import", content=exported.content,
-                          headers={"content-type": kv_frames.MEDIA_TYPE}, timeout=30)
+    header, blob = kv_frames.decode(exported.content, engine="llama-server", model=header_model(exported.content),
+                                    key=CLUSTER_KEY)
+    assert header["n_tokens"] > 60 and header["bytes"] == len(blob) > 0 and header["session"] == "s1"
+    imported = post_signed(client, target.internal, "/kv/import", exported.content, kv_frames.MEDIA_TYPE)
     assert imported.status_code == 200, imported.text
     assert imported.json()["n_tokens"] == header["n_tokens"]
 
@@ -103,13 +112,17 @@ def test_a_session_moved_between_llama_servers_answers_its_next_turn_from_the_mo
     assert said[:24] == recomputed[:24], (said, recomputed)
 
     # Nothing to offer for an unrelated prompt; hostile or foreign frames are refused and the server serves on.
-    other = {"endpoint": "/v1/chat/completions", "request": {"messages": [{"role": "user", "content": "Hi?"}]}}
-    assert httpx.post(f"{target.internal}/kv/export", json=other).json()["error"]["code"] == "no_cached_prefix"
+    other = {"session": "s2", "endpoint": "/v1/chat/completions",
+             "request": {"messages": [{"role": "user", "content": "Hi?"}]}}
+    assert post_signed(client, target.internal, "/kv/export", other).json()["error"]["code"] == "no_cached_prefix"
     for frame, status in ((b"\x00\x00\x00\x05{}", 400), (exported.content[:40], 400),
-                          (kv_frames.encode({"engine": "llama.cpp", "model": "x", "n_tokens": 3}, b"abc"), 409),
-                          (kv_frames.encode({**header, "format": None} | {"engine": "llama-server"}, b"qsgg"), 400)):
-        refused = httpx.post(f"{target.internal}/kv/import", content=frame)
+                          (kv_frames.encode({"engine": "llama.cpp", "model": "x", "n_tokens": 3}, b"abc", key=CLUSTER_KEY), 409),
+                          (kv_frames.encode({**header, "format": None} | {"engine": "llama-server"}, b"qsgg",
+                                            key=CLUSTER_KEY), 400),
+                          (kv_frames.encode(header, blob, key=b"f" * 40), 400)):  # forged without the secret
+        refused = post_signed(client, target.internal, "/kv/import", frame, kv_frames.MEDIA_TYPE)
         assert refused.status_code == status, refused.text
+    client.close()
     assert chat(target.url, history)["choices"][0]["message"]["content"]
     assert source.stop() == 0 and target.stop() == 0  # a SIGTERM ends the server and its KV port cleanly
 
@@ -118,8 +131,8 @@ def header_model(frame: bytes) -> str:
     import json
     import struct
 
-    (n,) = struct.unpack_from(">I", frame)
-    return json.loads(frame[4 : 4 + n])["model"]
+    (n,) = struct.unpack_from(">I", frame, 32)  # after the frame's signature
+    return json.loads(frame[36 : 36 + n])["model"]
 
 
 def test_the_server_does_not_outlive_its_kv_port(servers) -> None:

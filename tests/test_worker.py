@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 import httpx
 import pytest
 
-from helpers import consuming, eventually
+from helpers import CLUSTER_KEY, consuming, eventually
 from services.engines.simulated.config import EngineConfig
 from services.worker.engines import EngineLauncher, EngineOptions, kill_leftover_engines, leftover_engines
 from services.worker.main import command_consumer
@@ -31,9 +31,11 @@ from shared.contracts.commands import (
     WakeInstance,
     command_registry,
 )
-from shared.contracts.events import InstanceStateChanged, WorkerLost
+from shared.contracts.config import AliasConfig, BackendConfig
+from shared.contracts.events import AliasConfigured, InstanceStateChanged, WorkerLost
 from shared.contracts.messages import Envelope
 from shared.contracts.states import InstanceState as S
+from shared.internal_auth import sign
 
 V, F = BackendType.VLLM, BackendType.LLAMA_CPP
 SLOW_VLLM_START = "MODELPOOL_SIM_VLLM_STARTUP_S"
@@ -53,6 +55,25 @@ def delete(iid: str, backend: BackendType = V) -> DeleteInstance:
     return DeleteInstance(instance_id=iid, alias="qwen3-vl-2b", backend_type=backend, worker_id="w1")
 
 
+class Configurations:
+    """Records the alias configuration each start asks for (its backend's, beside the others started), as the
+    autoscaler records it before anything is placed: a worker starts nothing else (services/worker/allowed.py;
+    its refusals are tested in tests/security)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.backends: dict[BackendType, BackendConfig] = {}
+        self.lock = asyncio.Lock()  # concurrent starts: each recorded configuration holds every backend so far
+
+    async def record(self, cmd: StartInstance) -> None:
+        async with self.lock:
+            self.backends[cmd.backend_type] = BackendConfig(
+                model_name=cmd.model_name, model_path=cmd.model_path, gpu_memory_gb=cmd.gpu_memory_gb, max_replicas=4,
+                engine=cmd.engine, engine_args=cmd.engine_args)
+            config = AliasConfig(alias=cmd.alias, backends=dict(self.backends))
+            await self.store.append(f"alias:{cmd.alias}", [Envelope.wrap(AliasConfigured(alias=cmd.alias, config=config))])
+
+
 async def run(worker: Worker, command: InstanceCommand) -> None:
     await worker.handle(Envelope.wrap(command), command)
 
@@ -68,10 +89,19 @@ async def make_worker(store, telemetry, tmp_path):
     made: list[Worker] = []
 
     async def make(sim_speedup: float = 200.0, hang_timeout_s: float = 10.0, marker: str = "", **options) -> Worker:
-        launcher = EngineLauncher(EngineOptions(log_dir=tmp_path / "engines", sim_speedup=sim_speedup, **options), marker)
+        launcher = EngineLauncher(EngineOptions(log_dir=tmp_path / "engines", sim_speedup=sim_speedup,
+                                                cluster_secret=CLUSTER_KEY, **options), marker)
         w = Worker(worker_id="w1", store=store, telemetry=telemetry, gpu_memory_gb=80, slots=4, launcher=launcher,
                    health_timeout_s=60, hang_timeout_s=hang_timeout_s, drain_poll_s=0.05, report_interval_s=0.2)
         await w.register([EngineKind.SIMULATOR, EngineKind.LLAMA_CPP])
+        handle, configurations = w.handle, Configurations(store)
+
+        async def configured_then_handled(envelope: Envelope, command: InstanceCommand) -> None:
+            if isinstance(command, StartInstance):
+                await configurations.record(command)
+            await handle(envelope, command)
+
+        w.handle = configured_then_handled  # type: ignore[method-assign]
         made.append(w)
         return w
 
@@ -159,12 +189,18 @@ async def test_lifecycle_over_the_engine_http_api(worker, store):
         cmd = SleepInstance(instance_id="v1", alias="qwen3-vl-2b", backend_type=V, worker_id="w1", level=level)
         await worker.handle(Envelope.wrap(cmd), cmd)
     async with httpx.AsyncClient() as client:
-        assert (await client.get(f"{endpoint}/is_sleeping")).json() == {"is_sleeping": True}
+        # Its development endpoints answer the worker's signed calls, no one else's (services/engines/vllm_guard.py).
+        for path in ("/sleep?level=1", "/wake_up", "/collective_rpc", "/reset_prefix_cache"):
+            refused = await client.post(f"{endpoint}{path}", json={"method": "reload_weights"})
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "unsigned_internal_call", path
+        assert (await client.get(f"{endpoint}/is_sleeping", headers=sign(CLUSTER_KEY, "GET", "/is_sleeping"))).json() \
+            == {"is_sleeping": True}
         metrics = (await client.get(f"{endpoint}/metrics")).text
         assert re.search(r'vllm:engine_sleep_state\{[^}]*sleep_state="discard_all"\} 1', metrics), "not at level 2"
         wake = WakeInstance(instance_id="v1", alias="qwen3-vl-2b", backend_type=V, worker_id="w1")
         await worker.handle(Envelope.wrap(wake), wake)
-        assert (await client.get(f"{endpoint}/is_sleeping")).json() == {"is_sleeping": False}
+        assert (await client.get(f"{endpoint}/is_sleeping", headers=sign(CLUSTER_KEY, "GET", "/is_sleeping"))).json() \
+            == {"is_sleeping": False}
         # Woken from level 2 with its weights loaded again: it answers (a plain /wake_up would leave them empty).
         answer = await client.post(f"{endpoint}/v1/chat/completions", timeout=30, json={
             "model": "qwen3-vl-2b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})

@@ -37,6 +37,8 @@ def test_vllm_is_given_its_share_of_a_gpu_so_instances_placed_side_by_side_fit(t
     assert argv[:3] == ["vllm", "serve", "/models/qwen3-8b"]
     assert flag(argv, "--gpu-memory-utilization") == "0.5000"  # two such instances on one 24 GB GPU
     assert "--enable-sleep-mode" in argv and env == {"VLLM_SERVER_DEV_MODE": "1"}
+    # ... whose development endpoints (sleep, wake, collective RPC) only the worker's signed calls reach.
+    assert flag(argv, "--middleware") == "services.engines.vllm_guard.SignedDevEndpoints"
     assert flag(argv, "--max-model-len") == "8192" and flag(argv, "--served-model-name") == "big"
 
     argv, _ = engine_argv(vllm_start(36, tensor_parallel_size=2), 8000, options)

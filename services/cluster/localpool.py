@@ -8,7 +8,8 @@ Unlike `modelpool up` it starts no servers (it is given them), runs one
 process per service (relay, projector, placement, autoscaler, gateway, and
 one worker per entry of `workers`, each with its own settings), writes each
 process's output to `<workdir>/<name>.log`, and stops them all on exit. The
-caller migrates the namespace first.
+caller migrates the namespace first. Its cluster secret is made in the workdir
+(unless the environment gives one), as `modelpool up` makes its own.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from types import TracebackType
 
 from services.cluster.supervisor import Child, service_argv, stop
 from services.worker.service import REGISTERED
+from shared.internal_auth import SECRET_ENV, SECRET_FILE_ENV, make_secret_file
 from shared.net import free_port
 
 CONTROL_SERVICES = ("relay", "projector", "placement", "autoscaler", "gateway")
@@ -52,6 +54,8 @@ class LocalPool:
             "MODELPOOL_CONFIG": str(config), "MODELPOOL_GATEWAY_PORT": str(self.port), "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }
+        if not (self.env.get(SECRET_ENV) or self.env.get(SECRET_FILE_ENV)):
+            self.env[SECRET_FILE_ENV] = str(make_secret_file(self.workdir / "cluster-secret"))
         self.worker_settings = workers if workers is not None else {"w1": {}}
         self.processes: dict[str, Child] = {}
 

@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import json
 import os
-import secrets
 import signal
 import socket
 import sys
@@ -39,7 +38,9 @@ from services.cluster.supervisor import (
     service_argv,
     stop,
 )
-from services.processes import is_alive, processes_with_marker
+from services.processes import RUN_MARKER, is_alive, processes_with_marker
+from services.ops.credentials import CLUSTER_SECRET_FILE
+from shared.internal_auth import SECRET_ENV, SECRET_FILE_ENV, make_secret_file
 
 # Start order: the relay first so no committed event waits for a bus
 # publisher, then the projector that keeps the read models; the gateway last
@@ -55,9 +56,6 @@ SIMULATED_GPU_MEMORY_GB = 24
 DEFAULT_ADMIN_PORT = 8001
 ADMIN_TOKEN_FILE = "admin-token"
 
-# Every process `up` starts, and everything those start, inherits this
-# variable; the final sweep finds stragglers by it, whatever session they are in.
-RUN_MARKER = "MODELPOOL_UP_RUN"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -287,15 +285,7 @@ def banner(args: argparse.Namespace, servers: BackingServers, env: dict[str, str
 def admin_token(directory: Path) -> str:
     """The embedded cluster's admin token (the console's and the admin API's): made at its first start, kept
     beside its data, readable by its owner only."""
-    path = directory / ADMIN_TOKEN_FILE
-    if path.exists() and len(token := path.read_text().strip()) >= 16:
-        return token
-    directory.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(token + "\n")
-    return token
+    return make_secret_file(directory / ADMIN_TOKEN_FILE, min_chars=16).read_text().strip()
 
 
 def announce_cluster(directory: Path, env: dict[str, str]) -> Path:
@@ -304,11 +294,15 @@ def announce_cluster(directory: Path, env: dict[str, str]) -> Path:
 
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / CLUSTER_FILE
-    path.write_text(json.dumps({
-        "pid": os.getpid(), "database_url": env["DATABASE_URL"], "nats_url": env["NATS_URL"],
-        "namespace": env.get("MODELPOOL_NAMESPACE") or "modelpool",
-        "gateway": f"http://{LOCALHOST}:{env['MODELPOOL_GATEWAY_PORT']}/v1",
-    }, indent=2) + "\n")
+    # The database's URL may carry a password: readable by this cluster's owner only.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps({
+            "pid": os.getpid(), "database_url": env["DATABASE_URL"], "nats_url": env["NATS_URL"],
+            "namespace": env.get("MODELPOOL_NAMESPACE") or "modelpool",
+            "gateway": f"http://{LOCALHOST}:{env['MODELPOOL_GATEWAY_PORT']}/v1",
+        }, indent=2) + "\n")
     return path
 
 
@@ -362,6 +356,9 @@ def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> 
                 else:
                     output.line("up", f"admin port {env.get('MODELPOOL_ADMIN_PORT', DEFAULT_ADMIN_PORT)} is in use: "
                                       "no console (choose another with MODELPOOL_ADMIN_PORT)")
+            if not (env.get(SECRET_ENV) or env.get(SECRET_FILE_ENV)):
+                # Signs every call to engines' internal ports and the KV they move: made at the first start.
+                env[SECRET_FILE_ENV] = str(make_secret_file(args.data_dir.absolute() / CLUSTER_SECRET_FILE))
             cluster_file = announce_cluster(args.data_dir, env)
             try:
                 output.line("up", "applying migrations")

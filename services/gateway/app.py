@@ -47,8 +47,18 @@ from services.gateway.access_log import log_access
 from services.gateway.admission import Admission
 from services.gateway.client_stream import REQUEST_ID_HEADER, ClientStream
 from services.gateway.context import Refused, RequestContext
-from services.gateway.edge import CHAT, COMPLETIONS, Keys, accept, error_response, http_error, unexpected_error
+from services.gateway.edge import (
+    CHAT,
+    COMPLETIONS,
+    Keys,
+    accept,
+    error_response,
+    gateway_failure,
+    http_error,
+    unexpected_error,
+)
 from services.gateway.handoff import Handoff
+from services.gateway.kv_moves import KVMover
 from services.gateway.meter import Meter
 from services.gateway.metrics import GatewayMetrics, render_pool, render_relay_lag
 from services.gateway.openapi import openapi_document
@@ -68,7 +78,7 @@ from shared.contracts.messages import utcnow
 from shared.contracts.states import RoutingState
 from shared.eventlog.store import StoredEvent
 from shared.metering import RequestOutcome, RequestTrace
-from shared.openai_protocol import APIError, BackendCard, ModelCard, ModelList, internal_error
+from shared.openai_protocol import APIError, BackendCard, ModelCard, ModelList
 from shared.projections.live import LiveView
 from shared.projections.readmodels import INSTANCES, ROUTING, SESSIONS, WORKERS
 from shared.settings import Settings
@@ -109,10 +119,11 @@ class Gateway:
         self.admission = Admission(self.router, self.meter, self.metrics, bus.publish_demand, self.gateway_id,
                                    self.config.queue_size, self.clock, self.config.queue_timeout_s,
                                    self.starts.budget_s, self.config.hold_keepalive_s, self.start_progress)
-        self.pre_request = PreRequest(self.router, self.sessions, view, client, self.metrics, self.clock)
+        mover = KVMover(client, settings.cluster_key, self.clock)
+        self.pre_request = PreRequest(self.router, self.sessions, view, mover, self.metrics)
         self.proxy = Proxy(client, self.config, self.router, self.metrics, self.telemetry, self.clock, self._reroute)
         self.post_response = PostResponse(self.admission, self.router, self.sessions, self.metrics)
-        self.handoff = Handoff(self.router, self.sessions, view, client, self.metrics, self.clock)
+        self.handoff = Handoff(self.router, self.sessions, view, mover, self.metrics, self.clock)
 
     def start_progress(self, alias: str) -> StartProgress:
         """Where the start of an alias with nothing routable stands, as a held client is told."""
@@ -178,11 +189,11 @@ class Gateway:
         with self._span(ctx) as span:
             try:
                 outcome = await self._stages(ctx, client)
-            except Exception as exc:
+            except Exception:
                 log.exception("request for %s failed in the gateway", ctx.alias)
                 outcome = RequestOutcome.GATEWAY_ERROR
                 with contextlib.suppress(Exception):
-                    await client.refuse(internal_error(f"gateway failure: {exc!r}"))
+                    await client.refuse(gateway_failure(ctx.request_id))
             finally:
                 self.post_response.finish(ctx, outcome, client.status, span)
 

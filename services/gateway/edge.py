@@ -11,6 +11,7 @@ error body with its status.
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from shared.openai_protocol import APIError, bad_request, internal_error, not_found_model
+
+log = logging.getLogger(__name__)
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -138,5 +141,13 @@ async def http_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(error)
 
 
+def gateway_failure(request_id: str | None = None) -> APIError:
+    """A failure of the gateway's own, as the client is told: no exception or address of ours, only what to quote
+    (the gateway's log has the rest)."""
+    at = f" (request {request_id})" if request_id else ""
+    return internal_error(f"the gateway failed to serve this request{at}; its log says why")
+
+
 async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(internal_error(f"gateway failure: {exc!r}"))
+    log.error("unexpected gateway failure", exc_info=exc)
+    return error_response(gateway_failure())

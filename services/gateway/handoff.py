@@ -21,9 +21,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import aiohttp
 
-from services.gateway.kv_moves import KVMove, move_kv
+from services.gateway.kv_moves import KVMove, KVMover
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import Router
 from services.gateway.sessions import Sessions
@@ -48,13 +47,13 @@ MAX_TARGETS = 3
 class Handoff:
     """The handoffs of one gateway replica: one task per instance leaving service, cancelled when the replica stops."""
 
-    def __init__(self, router: Router, sessions: Sessions, view: LiveView, client: aiohttp.ClientSession,
+    def __init__(self, router: Router, sessions: Sessions, view: LiveView, mover: KVMover,
                  metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
         self.router = router
         self.sessions = sessions
         self.view = view
-        self.client = client
+        self.mover = mover
         self.metrics = metrics
         self.clock = clock
         self.wall = wall
@@ -141,7 +140,7 @@ class Handoff:
         kept = self.sessions.last_requests.get(session_id)
         if kept is None:
             return KVMove(False, detail="no request of the session kept to export its KV by")
-        move = await move_kv(self.client, source, target, kept[0], kept[1], budget_s, self.clock)
+        move = await self.mover.move(source, target, session_id, kept[0], kept[1], budget_s)
         self.metrics.kv_move(target.alias, move.moved, move.seconds)
         return move
 

@@ -12,12 +12,9 @@ its host is drained (`handoff.py`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-
-import aiohttp
 
 from services.gateway.context import RequestContext
-from services.gateway.kv_moves import KVMove, move_kv
+from services.gateway.kv_moves import KVMove, KVMover
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import Router, Slot
 from services.gateway.sessions import Sessions
@@ -28,14 +25,13 @@ log = logging.getLogger(__name__)
 
 
 class PreRequest:
-    def __init__(self, router: Router, sessions: Sessions, view: LiveView, client: aiohttp.ClientSession,
-                 metrics: GatewayMetrics, clock: Callable[[], float]) -> None:
+    def __init__(self, router: Router, sessions: Sessions, view: LiveView, mover: KVMover,
+                 metrics: GatewayMetrics) -> None:
         self.router = router
         self.sessions = sessions
         self.view = view
-        self.client = client
+        self.mover = mover
         self.metrics = metrics
-        self.clock = clock
 
     async def prepare(self, ctx: RequestContext) -> None:
         slot = ctx.slot
@@ -58,8 +54,8 @@ class PreRequest:
         if not config.move_kv:
             return KVMove(False, detail="move_kv is off")
         assert slot.moved_from is not None
-        move = await move_kv(self.client, self.view[INSTANCES].get(slot.moved_from), slot.instance, ctx.path,
-                             ctx.payload, config.kv_move_timeout_s, self.clock)
+        move = await self.mover.move(self.view[INSTANCES].get(slot.moved_from), slot.instance,
+                                     ctx.ask.prompt.session_id, ctx.path, ctx.payload, config.kv_move_timeout_s)
         self.metrics.kv_move(ctx.alias, move.moved, move.seconds)
         if move.moved:
             self.router.kv_moved(slot, move.tokens)

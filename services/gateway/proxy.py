@@ -25,6 +25,7 @@ import orjson
 
 from services.gateway.client_stream import REQUEST_ID_HEADER, SSE_HEADERS, ClientStream
 from services.gateway.context import Refused, RequestContext
+from services.gateway.kv_moves import session_tag
 from services.gateway.meter import outcome_of
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import Router, Slot
@@ -32,7 +33,7 @@ from services.gateway.sse import EventScanner, usage_of_body
 from shared.contracts.backends import EngineKind
 from shared.contracts.config import GatewayConfig
 from shared.metering import RequestOutcome
-from shared.openai_protocol import ENGINE_HEADER, SSE_DONE, APIError, service_unavailable
+from shared.openai_protocol import ENGINE_HEADER, SESSION_TAG_HEADER, SSE_DONE, APIError, service_unavailable
 from shared.projections.rows import InstanceRow
 from shared.telemetry import Telemetry
 
@@ -80,8 +81,9 @@ def what_failed(exc: BaseException) -> str:
 
 
 def instance_failed(instance_id: str, exc: BaseException) -> APIError:
-    return APIError(502, f"instance {instance_id} {what_failed(exc)} while answering: {exc!r}", type="api_error",
-                    code="instance_failed")
+    """What the client is told: which instance failed and how, never where it listens (the gateway's log says)."""
+    return APIError(502, f"instance {instance_id} {what_failed(exc)} while answering ({type(exc).__name__})",
+                    type="api_error", code="instance_failed")
 
 
 class Proxy:
@@ -161,7 +163,9 @@ class Proxy:
     def _upstream_headers(self, ctx: RequestContext, slot: Slot) -> dict[str, str]:
         headers = {"content-type": "application/json",
                    # Uncompressed, so the bytes relayed as they come are the bytes the client can read.
-                   "accept-encoding": "identity", REQUEST_ID_HEADER: ctx.request_id}
+                   "accept-encoding": "identity", REQUEST_ID_HEADER: ctx.request_id,
+                   # Which session the engine's cache entry for this request belongs to: a KV move exports by it.
+                   SESSION_TAG_HEADER: session_tag(ctx.ask.prompt.session_id)}
         if slot.instance.engine is EngineKind.LLAMA_SERVER:
             # llama-server's HTTP server, with more connections than threads, closes kept-alive ones without
             # answering the next request on them: a new connection per request to it (a loopback or LAN

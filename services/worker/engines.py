@@ -19,20 +19,23 @@ import re
 import signal
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
+import orjson
 
 from services.engines.llama_server.binary import LlamaServerMissing, llama_server_binary
 from services.engines.llamacpp.model_files import default_model_path
-from services.processes import processes_with_marker, spawn_async
+from services.processes import RUN_MARKER, processes_with_marker, spawn_async
 from services.worker.status import METRIC_NAMES, EngineStatus, Scrape, StatusTracker, parse_scrape
 from shared.contracts.backends import BackendType, EngineKind
 from shared.contracts.commands import StartInstance
+from shared.internal_auth import SECRET_ENV, sign
 from shared.net import free_ports
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,27 @@ class EngineOptions:
     gpu_memory_per_gpu_gb: float | None = None
     """Memory of each of this worker's GPUs: a vLLM instance is given its share of one as
     `--gpu-memory-utilization`, so instances placed side by side fit. None: vLLM's own default."""
+    cluster_secret: bytes | None = None
+    """Given to engines with an internal port: what signs the KV they move (shared/internal_auth.py)."""
+
+
+ENGINE_ENVIRONMENT = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH",
+                      "PYTHONUNBUFFERED", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "HF_HOME",
+                      "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "MODELPOOL_CACHE_DIR",
+                      "MODELPOOL_LLAMA_SERVER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", RUN_MARKER)
+ENGINE_ENVIRONMENT_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "VLLM_", "MODELPOOL_LLAMACPP_", "MODELPOOL_SIM_")
+"""What an engine inherits from its worker, and nothing else: no database URL, API key or admin token reaches a
+process that runs a model (whose code, for vLLM with `trust-remote-code`, may come from a model repository).
+Each is what an engine or its libraries read: locale, paths, GPU and thread selection, model caches, the engines'
+own settings, tracing's endpoint, and `modelpool up`'s run marker (by which it sweeps what it started)."""
+
+
+def engine_environment(environ: Mapping[str, str], secret: bytes | None) -> dict[str, str]:
+    """The worker's environment scrubbed to `ENGINE_ENVIRONMENT`, with the cluster secret where there is one."""
+    env = {k: v for k, v in environ.items() if k in ENGINE_ENVIRONMENT or k.startswith(ENGINE_ENVIRONMENT_PREFIXES)}
+    if secret is not None:
+        env[SECRET_ENV] = secret.decode()
+    return env
 
 
 def default_log_dir(worker_id: str) -> Path:
@@ -90,6 +114,8 @@ def engine_argv(spec: StartInstance, port: int, options: EngineOptions,
 
 
 MODELPOOL_ENGINE = (sys.executable, "-m", "services.cli", "engine")
+DEV_ENDPOINT_GUARD = "services.engines.vllm_guard.SignedDevEndpoints"
+"""vLLM's `--middleware` that admits only signed calls to its development endpoints (sleep, wake, collective RPC)."""
 
 
 def safe_name(instance_id: str) -> str:
@@ -125,6 +151,8 @@ def _base_argv(spec: StartInstance, port: int, options: EngineOptions) -> tuple[
             argv += ["--startup-s", str(options.sim_startup_s)]
         if spec.max_model_len:
             argv += ["--max-model-len", str(spec.max_model_len)]
+        if spec.backend_type is BackendType.VLLM:  # the same development endpoints as a real vLLM's, guarded alike
+            argv += ["--middleware", DEV_ENDPOINT_GUARD]
         return argv, env
     if spec.engine is EngineKind.LLAMA_CPP:
         argv = modelpool + ["llama.cpp", "--host", options.host, "--port", str(port), "--model-alias", spec.alias,
@@ -136,11 +164,12 @@ def _base_argv(spec: StartInstance, port: int, options: EngineOptions) -> tuple[
         return argv, env
     if spec.engine is EngineKind.LLAMA_SERVER:
         return llama_server_argv(spec, port, options), env
-    # The real vLLM server. Its sleep endpoints are only mounted in dev mode.
+    # The real vLLM server. Its sleep endpoints are only mounted in dev mode, and then open to anyone who
+    # reaches the port: the guard loaded into it lets only calls signed with the cluster secret (the worker's) in.
     env["VLLM_SERVER_DEV_MODE"] = "1"
     argv = [options.vllm_binary, "serve", spec.model_path, "--host", options.host, "--port", str(port),
             "--served-model-name", spec.alias, "--enable-sleep-mode", "--disable-uvicorn-access-log",
-            "--tensor-parallel-size", str(spec.tensor_parallel_size)]
+            "--tensor-parallel-size", str(spec.tensor_parallel_size), "--middleware", DEV_ENDPOINT_GUARD]
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
     if options.gpu_memory_per_gpu_gb and "gpu-memory-utilization" not in spec.engine_args:
@@ -198,6 +227,8 @@ class EngineProcess:
     log_start: int
     """Where this process's output starts in its log file (an instance restarted after ERROR appends)."""
     tracker: StatusTracker = field(repr=False)
+    secret: bytes | None = field(default=None, repr=False)
+    """The cluster secret, signing calls to vLLM's development endpoints."""
     capacity: int | None = None
     stop_requested: bool = False
     """The worker stopped it: its exit is no failure."""
@@ -272,11 +303,17 @@ class EngineProcess:
             await self._admin("POST", "/wake_up")
         self.sleep_level = 0
 
-    async def _admin(self, method: str, path: str, **kwargs: Any) -> None:
-        response = await self.client.request(method, path, timeout=ADMIN_TIMEOUT_S, **kwargs)
+    async def _admin(self, method: str, path: str, params: dict[str, Any] | None = None,
+                     json: dict[str, Any] | None = None) -> None:
+        """A call to vLLM's development endpoints, signed with the cluster secret (its guard refuses others)."""
+        target = f"{path}?{urlencode(params)}" if params else path
+        body = orjson.dumps(json) if json is not None else b""
+        headers = {"content-type": "application/json"} if json is not None else {}
+        if self.secret is not None:
+            headers.update(sign(self.secret, method, target, body))
+        response = await self.client.request(method, target, content=body, headers=headers, timeout=ADMIN_TIMEOUT_S)
         if response.status_code != 200:
-            query = f"?{response.request.url.query.decode()}" if response.request.url.query else ""
-            raise EngineError(f"{method} {path}{query} answered {response.status_code}: {response.text[:200]}")
+            raise EngineError(f"{method} {target} answered {response.status_code}: {response.text[:200]}")
 
     async def inflight(self) -> int:
         """Requests running or waiting, read from the engine's Prometheus metrics."""
@@ -436,12 +473,13 @@ class EngineLauncher:
                 log_start = log_file.tell()
                 # SIGTERM when the worker dies, even by SIGKILL: an engine (and its GPU memory) must not outlive
                 # a crashed worker with nobody left who knows it exists.
-                process = await spawn_async(argv, output=log_file,
-                                            env={**os.environ, **extra_env, ENGINE_MARKER: self.marker})
+                env = {**engine_environment(os.environ, self.options.cluster_secret), **extra_env,
+                       ENGINE_MARKER: self.marker}
+                process = await spawn_async(argv, output=log_file, env=env)
         except OSError as exc:
             raise EngineError(f"cannot start {argv[0]}: {exc.strerror} ({exc.filename or log_path})") from exc
         endpoint = f"http://{self.options.host}:{port}"
         internal = f"http://{self.options.host}:{internal_port}" if internal_port is not None else None
         return EngineProcess(spec.instance_id, spec.backend_type, spec.engine, endpoint, internal, process,
                              httpx.AsyncClient(base_url=endpoint), log_path, log_start,
-                             StatusTracker(asyncio.get_running_loop().time()))
+                             StatusTracker(asyncio.get_running_loop().time()), secret=self.options.cluster_secret)

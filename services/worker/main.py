@@ -87,7 +87,8 @@ async def serve(ctx: ServiceContext) -> None:
         store=ctx.store,
         launcher=EngineLauncher(EngineOptions(
             log_dir=log_dir, host=settings.worker_host, sim_speedup=settings.worker_sim_speedup,
-            gpu_memory_per_gpu_gb=float(settings.worker_gpu_memory_gb) / (settings.worker_gpus or 1) or None),
+            gpu_memory_per_gpu_gb=float(settings.worker_gpu_memory_gb) / (settings.worker_gpus or 1) or None,
+            cluster_secret=settings.cluster_key),
             marker),
         telemetry=ctx.telemetry,
         gpu_memory_gb=float(settings.worker_gpu_memory_gb),

@@ -41,6 +41,7 @@ from shared.contracts.commands import (
     WakeInstance,
 )
 from shared.contracts.events import (
+    AliasConfigured,
     InstanceCommandCompleted,
     InstanceLoading,
     InstanceStateChanged,
@@ -62,6 +63,7 @@ from shared.faults import Backoff, Outage, describe, is_transient
 from shared.projections.projector import rebuild
 from shared.projections.readmodels import INSTANCES
 from shared.telemetry import Telemetry
+from services.worker.allowed import start_refusal
 from services.worker.engines import EngineError, EngineLauncher, EngineProcess
 
 log = logging.getLogger(__name__)
@@ -250,6 +252,12 @@ class Worker:
         return False
 
     async def _start(self, envelope: Envelope, cmd: StartInstance) -> None:
+        recorded = await self.store.of_type(AliasConfigured.TYPE, alias=cmd.alias)
+        configured = [fact.config for _, fact in self.store.typed(recorded) if isinstance(fact, AliasConfigured)]
+        if refusal := start_refusal(cmd, configured[-1] if configured else None):
+            log.warning("refusing to start %s: %s", cmd.instance_id, refusal)
+            await self._outcome(envelope, cmd, CommandOutcome.REJECTED, refusal)
+            return
         inst = self.instances.get(cmd.instance_id)
         if inst is None:
             inst = Instance(cmd.instance_id, cmd.alias, cmd.backend_type, cmd.engine, S.ABSENT, role=cmd.role)

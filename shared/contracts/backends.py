@@ -70,7 +70,7 @@ class CommandOutcome(str, Enum):
 
     OK = "ok"
     UNSUPPORTED = "unsupported"  # the backend cannot do this; the controller picks a substitute
-    REJECTED = "rejected"  # not legal in the instance's current state
+    REJECTED = "rejected"  # not legal in the instance's current state, or not what its alias is configured to run
     FAILED = "failed"  # tried and failed
 
 

@@ -29,6 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.contracts.backends import ENGINES, BackendType, EngineKind
+from shared.contracts.engine_flags import ENGINE_FLAGS, refused_flags
 from shared.contracts.policies import LEGACY_HYBRID, AutoscalingPolicy, HybridPolicyConfig
 from shared.contracts.states import RoutingState
 
@@ -347,6 +348,14 @@ class PoolConfig(BaseModel):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"alias names must be unique, repeated: {', '.join(duplicates)}")
+        for alias in aliases:  # checked in the pool file, not in the recorded AliasConfig: old logs stay readable
+            for backend, config in alias.backends.items():
+                engine = alias.engine_for(backend)
+                if refused := refused_flags(engine, config.engine_args):
+                    raise ValueError(
+                        f"{alias.alias}: backends.{backend.value}.engine_args.{refused[0]}: not a flag a pool file "
+                        f"may give {engine.value} (its address, name and model are the worker's to set, and flags "
+                        f"that load code or files are refused; allowed: {', '.join(sorted(ENGINE_FLAGS[engine]))})")
         return aliases
 
     def alias(self, name: str) -> AliasConfig:

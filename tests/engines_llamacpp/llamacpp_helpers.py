@@ -52,7 +52,9 @@ def start_server(*, internal: bool = False, **overrides: Any) -> RunningServer:
     servers = [(server, thread)]
     internal_url = None
     if internal:
-        side, side_thread, side_port = _serve(build_internal_app(engine), "off")
+        from helpers import CLUSTER_KEY
+
+        side, side_thread, side_port = _serve(build_internal_app(engine, secret=CLUSTER_KEY), "off")
         servers.append((side, side_thread))
         internal_url = f"http://127.0.0.1:{side_port}"
     deadline = time.time() + 60

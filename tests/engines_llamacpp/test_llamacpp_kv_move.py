@@ -3,6 +3,7 @@ decoding on as if it had never moved; only through the internal port."""
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 
@@ -10,12 +11,14 @@ import httpx
 import numpy as np
 import pytest
 
+from helpers import signed
 from llamacpp_helpers import THREADS, chat
 from services.engines.llamacpp.chat_template import ChatTemplate
 from services.engines.llamacpp.llama_backend import LlamaModelConfig, DecodeError, LlamaBackend
 from services.engines.llamacpp.model_files import default_model_path
 from services.engines.llamacpp.scheduler import SeqWork
 from shared import kv_frames
+from shared.openai_protocol import SESSION_TAG_HEADER
 
 STEPS = 8
 
@@ -74,23 +77,38 @@ def test_llama_cpp_refuses_a_state_from_another_sequence_layout(backend8) -> Non
         other.close()
 
 
+def export(client: httpx.Client, engine, request: dict, session: str = "s1") -> httpx.Response:
+    body = json.dumps({"session": session, "endpoint": "/v1/chat/completions", "request": request}).encode()
+    return client.post(f"{engine.internal_url}/kv/export", content=body, headers=signed("/kv/export", body))
+
+
+def import_(client: httpx.Client, engine, frame: bytes) -> httpx.Response:
+    return client.post(f"{engine.internal_url}/kv/import", content=frame,
+                       headers=signed("/kv/import", frame, kv_frames.MEDIA_TYPE))
+
+
 def test_a_session_moved_over_the_internal_ports_answers_its_next_turn_from_the_moved_kv(make_server) -> None:
     source, target = make_server(internal=True), make_server(internal=True)
     turn1 = chat(source.alias, "Name three rivers in Europe.", max_tokens=16)
     with httpx.Client(timeout=120) as client:
-        first = client.post(f"{source.url}/v1/chat/completions", json=turn1).json()
+        first = client.post(f"{source.url}/v1/chat/completions", json=turn1, headers={SESSION_TAG_HEADER: "s1"}).json()
         turn2 = {**turn1, "messages": turn1["messages"] + [first["choices"][0]["message"],
                                                            {"role": "user", "content": "And three in Asia?"}]}
-        # Never on the public port.
+        # Never on the public port; never unsigned; never to another session, however its prompt begins.
         assert client.post(f"{source.url}/kv/export", json={"endpoint": "/v1/chat/completions", "request": turn2}).status_code == 404
+        unsigned = client.post(f"{source.internal_url}/kv/export", json={"session": "s1", "endpoint": "/v1/chat/completions", "request": turn2})
+        assert unsigned.status_code == 401 and unsigned.json()["error"]["code"] == "unsigned_internal_call"
+        assert export(client, source, turn2, session="s2").status_code == 404
 
-        exported = client.post(f"{source.internal_url}/kv/export", json={"endpoint": "/v1/chat/completions", "request": turn2})
+        exported = export(client, source, turn2)
         assert exported.status_code == 200, exported.text
-        imported = client.post(f"{target.internal_url}/kv/import", content=exported.content,
-                               headers={"content-type": kv_frames.MEDIA_TYPE})
+        imported = import_(client, target, exported.content)
         assert imported.status_code == 200, imported.text
         n_tokens = imported.json()["n_tokens"]
         assert n_tokens >= first["usage"]["prompt_tokens"]
+        # The imported sequence is the same session's on its new host: it moves on again by that name only.
+        assert export(client, target, turn2, session="s2").status_code == 404
+        assert export(client, target, turn2).status_code == 200
 
         moved = client.post(f"{target.url}/v1/chat/completions", json=turn2).json()
         unmoved = client.post(f"{source.url}/v1/chat/completions", json=turn2).json()
@@ -103,18 +121,18 @@ def test_the_internal_port_refuses_what_it_cannot_use_with_a_clear_error(make_se
     engine = make_server(internal=True)
     narrower = make_server(internal=True, n_seq_max=4, n_ctx=4 * 1024)
     with httpx.Client(timeout=60) as client:
-        unknown = client.post(f"{engine.internal_url}/kv/export",
-                              json={"endpoint": "/v1/chat/completions", "request": chat(engine.alias, "never sent")})
+        unknown = export(client, engine, chat(engine.alias, "never sent"))
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "no_cached_prefix"
-        bad = client.post(f"{engine.internal_url}/kv/export", json={"endpoint": "/v1/embeddings", "request": {}})
+        body = json.dumps({"session": "s1", "endpoint": "/v1/embeddings", "request": {}}).encode()
+        bad = client.post(f"{engine.internal_url}/kv/export", content=body, headers=signed("/kv/export", body))
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "endpoint"
+        body = json.dumps({"endpoint": "/v1/chat/completions", "request": chat(engine.alias, "x")}).encode()
+        nameless = client.post(f"{engine.internal_url}/kv/export", content=body, headers=signed("/kv/export", body))
+        assert nameless.status_code == 400 and nameless.json()["error"]["param"] == "session"
 
-        garbage = client.post(f"{engine.internal_url}/kv/import", content=b"\x00\x00\x00\x05oops!")
-        assert garbage.status_code == 400 and garbage.json()["error"]["code"] == "bad_kv_frame"
-
-        client.post(f"{engine.url}/v1/chat/completions", json=chat(engine.alias, "Say hello.", max_tokens=4))
-        frame = client.post(f"{engine.internal_url}/kv/export",
-                            json={"endpoint": "/v1/chat/completions", "request": chat(engine.alias, "Say hello.")}).content
-        other_layout = client.post(f"{narrower.internal_url}/kv/import", content=frame)
+        client.post(f"{engine.url}/v1/chat/completions", json=chat(engine.alias, "Say hello.", max_tokens=4),
+                    headers={SESSION_TAG_HEADER: "s1"})
+        frame = export(client, engine, chat(engine.alias, "Say hello.")).content
+        other_layout = import_(client, narrower, frame)
         assert other_layout.status_code == 409 and other_layout.json()["error"]["code"] == "incompatible_kv"
         assert "8x" in other_layout.json()["error"]["message"]

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from helpers import start_engine, wait_healthy
+from helpers import post_signed, start_engine, wait_healthy
 from shared import kv_frames
 
 MODEL = "sim-test"
@@ -33,15 +33,17 @@ def engines(tmp_path):
 def test_an_exported_prefix_is_imported_after_its_transfer_time_and_then_hits_on_the_new_engine(engines) -> None:
     source, target, other = engines
     context = "the service's logs from last night " * 60
-    export = {"endpoint": "/v1/chat/completions", "request": request(context)}
+    export = {"session": "s1", "endpoint": "/v1/chat/completions", "request": request(context)}
     with httpx.Client(timeout=30) as client:
         assert client.post(f"{source.url}/v1/chat/completions", json=request(context)).status_code == 200
         assert client.post(f"{source.url}/kv/export", json=export).status_code == 404  # not on the public port
 
-        frame = client.post(f"{source.internal_url}/kv/export", json=export)
+        unsigned = client.post(f"{source.internal_url}/kv/export", json=export)
+        assert unsigned.status_code == 401 and unsigned.json()["error"]["code"] == "unsigned_internal_call"
+        frame = post_signed(client, source.internal_url, "/kv/export", export)
         assert frame.status_code == 200 and frame.headers["content-type"] == kv_frames.MEDIA_TYPE
         started = time.monotonic()
-        imported = client.post(f"{target.internal_url}/kv/import", content=frame.content)
+        imported = post_signed(client, target.internal_url, "/kv/import", frame.content, kv_frames.MEDIA_TYPE)
         took = time.monotonic() - started
         assert imported.status_code == 200, imported.text
         moved = imported.json()
@@ -52,10 +54,14 @@ def test_an_exported_prefix_is_imported_after_its_transfer_time_and_then_hits_on
         hit = client.post(f"{target.url}/v1/chat/completions", json=request(context)).json()
         assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] >= moved["n_tokens"] - 16
 
-        elsewhere = client.post(f"{other.internal_url}/kv/import", content=frame.content)
+        elsewhere = post_signed(client, other.internal_url, "/kv/import", frame.content, kv_frames.MEDIA_TYPE)
         assert elsewhere.status_code == 409 and elsewhere.json()["error"]["code"] == "incompatible_kv"
-        unknown = client.post(f"{target.internal_url}/kv/export",
-                              json={"endpoint": "/v1/chat/completions", "request": request("never seen")})
+        unknown = post_signed(client, target.internal_url, "/kv/export",
+                              {"session": "s1", "endpoint": "/v1/chat/completions", "request": request("never seen")})
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "no_cached_prefix"
-        garbage = client.post(f"{target.internal_url}/kv/import", content=b"not a frame")
+        garbage = post_signed(client, target.internal_url, "/kv/import", b"not a frame", kv_frames.MEDIA_TYPE)
+        assert garbage.status_code == 400 and garbage.json()["error"]["code"] == "bad_kv_frame"
+        forged = kv_frames.encode({"engine": "simulated-vllm", "model": "x", "n_tokens": 16, "block_hashes": [1]},
+                                  key=b"f" * 40)  # made without the cluster's secret
+        garbage = post_signed(client, target.internal_url, "/kv/import", forged, kv_frames.MEDIA_TYPE)
         assert garbage.status_code == 400 and garbage.json()["error"]["code"] == "bad_kv_frame"

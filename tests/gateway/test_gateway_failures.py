@@ -152,6 +152,9 @@ async def test_a_whole_answer_broken_midway_is_a_502_and_a_silent_engine_times_o
         assert broken.status_code == 502
         error = broken.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == "instance_failed"
+        port = dying.url.rsplit(":", 1)[1]
+        for answer in (silent, broken):  # what failed is named; where the engine listens is not
+            assert port not in answer.text and "127.0.0.1" not in answer.text, answer.text
     finally:
         dying.stop()
 

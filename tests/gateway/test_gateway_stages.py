@@ -131,7 +131,7 @@ async def test_pre_request_binds_a_new_session_only_where_the_router_binds_sessi
     config = AliasConfig.model_validate({"alias": "tiny", "router": {"plugin": "affinity"}, "backends": {
         "llama.cpp": {"model_name": "tiny", "model_path": "default", "gpu_memory_gb": 0, "engine": "simulator"}}})
     admission, view, clock, _ = pool(row("f1", 2), config=config, sessions=sessions)
-    stage = PreRequest(admission.router, sessions, view, None, admission.metrics, clock)  # type: ignore[arg-type]
+    stage = PreRequest(admission.router, sessions, view, None, admission.metrics)  # type: ignore[arg-type]
     ctx = context(admission, session="s1")
     await admission.place(ctx, ClientStream(Sent(), "r1", stream=False))
     assert ctx.slot is not None and ctx.slot.binds
@@ -141,7 +141,7 @@ async def test_pre_request_binds_a_new_session_only_where_the_router_binds_sessi
     plain, _, _, _ = pool(row("f1", 2))  # least-load binds nothing
     ctx = context(plain, session="s2")
     await plain.place(ctx, ClientStream(Sent(), "r2", stream=False))
-    await PreRequest(plain.router, sessions, view, None, plain.metrics, clock).prepare(ctx)  # type: ignore[arg-type]
+    await PreRequest(plain.router, sessions, view, None, plain.metrics).prepare(ctx)  # type: ignore[arg-type]
     assert ctx.ask.prompt.session_id not in sessions.bindings
 
 

@@ -179,6 +179,9 @@ def test_the_default_pool_serves_from_cold_and_operator_commands_find_the_cluste
     # The console is on: its token made at the first start, readable by its owner alone, named in the banner.
     token_file = data_dir / "admin-token"
     assert token_file.stat().st_mode & 0o777 == 0o600
+    # So are the cluster secret (engines' internal ports) and the file naming the servers (a DSN may hold a password).
+    for private in ("cluster-secret", "cluster.json"):
+        assert (data_dir / private).stat().st_mode & 0o777 == 0o600, private
     assert f"console   http://127.0.0.1:{admin_port}/console" in cluster.output()
     token = token_file.read_text().strip()
     with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/console", timeout=10) as page:

@@ -20,6 +20,7 @@ import uvicorn
 
 from services.engines.llama_server.kv_port import LlamaServerKV, build_kv_app
 from services.processes import tied_to_us
+from shared.internal_auth import SecretError, secret_from_environment
 
 
 def engine_option(args: list[str], *names: str, default: str | None = None) -> str | None:
@@ -28,6 +29,19 @@ def engine_option(args: list[str], *names: str, default: str | None = None) -> s
         if arg in names:
             return args[i + 1]
     return default
+
+
+KV_BYTES_PER_TOKEN_BOUND = 512 * 1024
+"""The most KV one token takes in the models a slot file may come from (a 70B model with grouped-query attention
+takes about 320 KiB in 16 bits): an import's frame is bounded by a slot's context at this much per token."""
+
+
+def max_frame_bytes(args: list[str]) -> int:
+    """The largest slot file (and frame) one slot's context can make, within `KV_BYTES_PER_TOKEN_BOUND`."""
+    ctx, parallel = engine_option(args, "--ctx-size", "-c"), engine_option(args, "--parallel", "-np")
+    slots = int(parallel) if parallel and parallel.isdigit() and int(parallel) > 0 else 1
+    per_slot = int(ctx) // slots if ctx and ctx.isdigit() and int(ctx) > 0 else 131072  # unset: the model's own
+    return per_slot * KV_BYTES_PER_TOKEN_BOUND + (1 << 20)
 
 
 def fingerprint(args: list[str]) -> str:
@@ -47,8 +61,14 @@ async def serve(binary: str, engine_args: list[str], internal_host: str, interna
         return 2
     host = engine_option(engine_args, "--host", default="127.0.0.1")
     port = engine_option(engine_args, "--port", default="8080")
-    kv = LlamaServerKV(f"http://{host}:{port}", Path(slot_dir), fingerprint(engine_args))
-    server = uvicorn.Server(uvicorn.Config(build_kv_app(kv), host=internal_host, port=internal_port,
+    try:
+        secret = secret_from_environment(os.environ)
+    except SecretError as exc:
+        print(f"modelpool engine llama-server: {exc}", file=sys.stderr)
+        return 2
+    kv = LlamaServerKV(f"http://{host}:{port}", Path(slot_dir), fingerprint(engine_args), secret or b"")
+    app = build_kv_app(kv, max_frame_bytes=max_frame_bytes(engine_args))
+    server = uvicorn.Server(uvicorn.Config(app, host=internal_host, port=internal_port,
                                           log_level="warning", access_log=False, lifespan="on"))
     # Signals are the child's to act on (its exit ends this process): uvicorn must not take them.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+
+from shared.internal_auth import SecretError, secret_from_environment
 
 from .settings import EngineSettings
 
@@ -69,6 +72,11 @@ def main(argv: list[str]) -> int:
         return 2
     internal = None
     if settings.internal_port is not None:
-        internal = (build_internal_app(engine), settings.internal_host, settings.internal_port)
+        try:
+            secret = secret_from_environment(os.environ)
+        except SecretError as exc:
+            print(f"modelpool engine llama.cpp: {exc}", file=sys.stderr)
+            return 2
+        internal = (build_internal_app(engine, secret=secret), settings.internal_host, settings.internal_port)
     serve_beside((build_app(engine), settings.host, settings.port), internal, log_level=args.log_level)
     return 0

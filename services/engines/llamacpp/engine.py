@@ -65,6 +65,7 @@ class SequenceState:
 
     tokens: list[int]
     state: bytes
+    session: str = ""
 
 
 class KVBusy(RuntimeError):
@@ -150,13 +151,15 @@ class LlamaEngine:
 
     # -- the HTTP edge's side ------------------------------------------------------
     def submit(
-        self, prompt_tokens: list[int], sampling: SamplingParams, sink: EventSink, *, reuse_prefix: bool = True
+        self, prompt_tokens: list[int], sampling: SamplingParams, sink: EventSink, *, reuse_prefix: bool = True,
+        session: str = "",
     ) -> int:
         """Queue a request; raises `QueueFull` when the RequestQueue is at its bound."""
         assert self._scheduler is not None, "engine not ready"
         with self._lock:
             request = GenerationRequest(
-                next(self._ids), list(prompt_tokens), sampling, sink, self.clock(), reuse_prefix=reuse_prefix
+                next(self._ids), list(prompt_tokens), sampling, sink, self.clock(), reuse_prefix=reuse_prefix,
+                session=session,
             )
             try:
                 self._scheduler.submit(request)
@@ -180,18 +183,19 @@ class LlamaEngine:
             return True
 
     # -- KV moves (the internal port's side) --------------------------------------
-    def export_kv(self, prompt_tokens: list[int]) -> "Future[SequenceState | None]":
-        """The cached sequence sharing the longest prefix with `prompt_tokens`; None when none does."""
+    def export_kv(self, prompt_tokens: list[int], session: str) -> "Future[SequenceState | None]":
+        """`session`'s cached sequence sharing the longest prefix with `prompt_tokens`; None when none does.
+        Only that session's: a conversation is never handed out because another's prompt starts like it."""
 
         def export() -> SequenceState | None:
             assert self.backend is not None and self._scheduler is not None
             entry, common = self._scheduler.kv.best_prefix(
-                prompt_tokens, range(self._scheduler.seq_ids.n_seq_max), include_running=True
+                prompt_tokens, range(self._scheduler.seq_ids.n_seq_max), include_running=True, session=session
             )
             if entry is None or common == 0:
                 return None
             self.metrics.kv_exports += 1
-            return SequenceState(list(entry.tokens), self.backend.export_seq(entry.seq_id))
+            return SequenceState(list(entry.tokens), self.backend.export_seq(entry.seq_id), session)
 
         return self._on_decode_thread(export)
 
@@ -207,7 +211,7 @@ class LlamaEngine:
             if len(moved.tokens) >= self.backend.n_ctx_seq:
                 raise ValueError(f"{len(moved.tokens)} tokens do not fit a sequence of {self.backend.n_ctx_seq}")
             request_id = next(self._ids)
-            seq_id = self._scheduler.adopt(request_id, list(moved.tokens), self.clock())
+            seq_id = self._scheduler.adopt(request_id, list(moved.tokens), self.clock(), moved.session)
             if seq_id is None:
                 raise KVBusy("every sequence id is decoding")
             self._apply(self._scheduler.take_kv_ops())  # the entry it evicts is saved before the import overwrites it

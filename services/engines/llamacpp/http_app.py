@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from shared.client_gone import client_gone
 from shared.engine_asgi import EngineHeader, error_response
 from shared.openai_protocol import (
+    SESSION_TAG_HEADER,
     SSE_DONE,
     APIError,
     AssistantMessage,
@@ -331,7 +332,8 @@ class EngineAPI:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         try:
-            request_id = self.engine.submit(prompt, sampling, sink, reuse_prefix=self._cache_prompt(body))
+            request_id = self.engine.submit(prompt, sampling, sink, reuse_prefix=self._cache_prompt(body),
+                                            session=request.headers.get(SESSION_TAG_HEADER, ""))
         except QueueFull as exc:
             raise too_many_requests(str(exc), exc.retry_after_s) from exc
         return body, prompt, request_id, queue

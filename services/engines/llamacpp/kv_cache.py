@@ -25,6 +25,9 @@ class KVEntry:
     state: RequestState
     tokens: list[int] = field(default_factory=list)
     last_used: float = 0.0
+    session: str = ""
+    """The session whose request this is, as the gateway names it (`x-modelpool-session`): what a KV export
+    must name to take this entry (never another session's best match)."""
 
 
 @dataclass(frozen=True)
@@ -92,14 +95,18 @@ class KVCacheManager:
         return self._items / max(1, self.limits.capacity_items)
 
     def best_prefix(
-        self, prompt: Sequence[int], seq_ids: Iterable[int], *, include_running: bool = False
+        self, prompt: Sequence[int], seq_ids: Iterable[int], *, include_running: bool = False,
+        session: str | None = None,
     ) -> tuple[KVEntry | None, int]:
-        """The entry on one of `seq_ids` sharing the longest prefix with `prompt` (parked ones only by default)."""
+        """The entry on one of `seq_ids` sharing the longest prefix with `prompt` (parked ones only by default;
+        only `session`'s when given)."""
         allowed = set(seq_ids)
         best: KVEntry | None = None
         best_len = 0
         for entry in self._entries.values():
             if (entry.state == RequestState.PROCESSING and not include_running) or entry.seq_id not in allowed:
+                continue
+            if session is not None and entry.session != session:
                 continue
             n = common_prefix_len(entry.tokens, prompt)
             if n > best_len:
@@ -107,21 +114,21 @@ class KVCacheManager:
         return best, best_len
 
     # -- changes -----------------------------------------------------------
-    def open(self, request_id: int, seq_id: int, now: float, tokens: Sequence[int] = ()) -> KVEntry:
+    def open(self, request_id: int, seq_id: int, now: float, tokens: Sequence[int] = (), session: str = "") -> KVEntry:
         if request_id in self._entries:
             raise ValueError(f"request {request_id} already has a KV entry")
-        entry = KVEntry(request_id, seq_id, RequestState.PROCESSING, list(tokens), now)
+        entry = KVEntry(request_id, seq_id, RequestState.PROCESSING, list(tokens), now, session)
         self._entries[request_id] = entry
         self._items += len(entry.tokens)
         return entry
 
-    def take_over(self, old_request_id: int, new_request_id: int, keep: int, now: float) -> KVEntry:
+    def take_over(self, old_request_id: int, new_request_id: int, keep: int, now: float, session: str = "") -> KVEntry:
         """`new_request_id` adopts a parked entry's sequence and its first `keep` tokens."""
         old = self._entries[old_request_id]
         if old.state == RequestState.PROCESSING:
             raise ValueError(f"request {old_request_id}'s KV is in use")
         self._remove(old_request_id)
-        return self.open(new_request_id, old.seq_id, now, old.tokens[:keep])
+        return self.open(new_request_id, old.seq_id, now, old.tokens[:keep], session)
 
     def append(self, request_id: int, tokens: Sequence[int], now: float) -> None:
         entry = self._entries[request_id]

@@ -86,6 +86,8 @@ class GenerationRequest:
     arrived_at: float
     reuse_prefix: bool = True
     """False: compute the whole prompt even if a cached prefix matches (llama.cpp's `cache_prompt`)."""
+    session: str = ""
+    """The gateway's session key (`x-modelpool-session`), kept on the request's KV entry for exports by session."""
 
 
 @dataclass

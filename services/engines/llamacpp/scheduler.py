@@ -265,7 +265,7 @@ class BatchScheduler:
         tracked.generated.append(token)
         return tracked
 
-    def adopt(self, request_id: int, tokens: list[int], now: float) -> int | None:
+    def adopt(self, request_id: int, tokens: list[int], now: float, session: str = "") -> int | None:
         """Park `tokens` as a finished request's KV on a free sequence id, for the next turn to reuse.
 
         The KV itself arrives from another engine (a session's move); this only
@@ -285,7 +285,7 @@ class BatchScheduler:
         victim = self.kv.parked_on(seq_id)
         if victim is not None:
             self._evict(victim, clear=False)  # the import replaces the whole sequence
-        self.kv.open(request_id, seq_id, now, tokens)
+        self.kv.open(request_id, seq_id, now, tokens, session)
         self.kv.set_state(request_id, RequestState.COMPLETED, now)
         return seq_id
 
@@ -339,6 +339,7 @@ class BatchScheduler:
             return False
         prompt = tracked.request.prompt_tokens
         rid = tracked.request_id
+        session = tracked.request.session
         source: KVEntry | None = None
         saved = None
         keep = 0
@@ -362,7 +363,7 @@ class BatchScheduler:
         if source is not None and source.seq_id == seq_id:
             if keep < TAKE_OVER_SHARE * len(source.tokens):
                 self._save(source)  # another conversation keeps only its opening: the rest is kept in host memory
-            self.kv.take_over(source.request_id, rid, keep, now)
+            self.kv.take_over(source.request_id, rid, keep, now, session)
             self._kv_ops.append(("trim", seq_id, keep))
             tracked.cached_tokens = tracked.n_prefilled = keep
             return True
@@ -372,17 +373,17 @@ class BatchScheduler:
         if saved is not None:
             self._kv_ops += [("restore", seq_id, saved.key), ("trim", seq_id, keep)]
             self.prompts.restored(saved.key)  # type: ignore[union-attr]  # set whenever `saved` is
-            self.kv.open(rid, seq_id, now, saved.tokens[:keep])
+            self.kv.open(rid, seq_id, now, saved.tokens[:keep], session)
             tracked.cached_tokens = tracked.n_prefilled = keep
             return True
         if source is not None and keep >= MIN_COPY_TOKENS:
             self._kv_ops.append(("copy", source.seq_id, seq_id))
             self._kv_ops.append(("trim", seq_id, keep))
-            self.kv.open(rid, seq_id, now, source.tokens[:keep])
+            self.kv.open(rid, seq_id, now, source.tokens[:keep], session)
             source.last_used = now
             tracked.cached_tokens = tracked.n_prefilled = keep
         else:
-            self.kv.open(rid, seq_id, now)
+            self.kv.open(rid, seq_id, now, session=session)
         return True
 
     def _evict(self, entry: KVEntry, *, clear: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -449,5 +450,8 @@ def create_app(config: EngineConfig) -> Starlette:
         middleware=middleware,
         exception_handlers={APIError: _api_error, HTTPException: _http_error},
     )
+    for path in config.middleware:  # as vLLM's `--middleware` adds them: the class, given the app alone
+        module, name = path.rsplit(".", 1)
+        app.add_middleware(getattr(importlib.import_module(module), name))
     app.state.server = server
     return app

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-
 
 from services.engines.simulated.config import EngineConfig
 from shared.contracts.config import ConfigError
+from shared.internal_auth import SecretError, secret_from_environment
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="served model name (default qwen3-vl-2b)")
     p.add_argument("--speedup", type=float, help="simulated seconds per wall second (tests use large values)")
     p.add_argument("--seed", type=int)
+    p.add_argument("--middleware", action="append", default=None,
+                   help="an ASGI middleware class by import path, added as vLLM adds it (repeatable)")
     p.add_argument("--otlp-traces-endpoint", help="send a span per request here (OTLP/HTTP), continuing the caller's traceparent")
     g = p.add_argument_group("lifecycle delays, simulated seconds")
     g.add_argument("--startup-s", type=float, help="cold start (vllm 60, llama.cpp 2)")
@@ -92,7 +95,12 @@ def main(argv: list[str]) -> int:
         uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
                     access_log=False, timeout_graceful_shutdown=5)
         return 0
+    try:
+        secret = secret_from_environment(os.environ)
+    except SecretError as exc:
+        print(f"modelpool engine sim: {exc}", file=sys.stderr)
+        return 2
     serve_beside((app, config.host, config.port),
-                 (create_internal_app(app.state.server), config.internal_host, config.internal_port),
+                 (create_internal_app(app.state.server, secret=secret), config.internal_host, config.internal_port),
                  log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
     return 0

@@ -49,6 +49,9 @@ class EngineConfig(BaseModel):
     seed: int = 0
     otlp_traces_endpoint: str | None = None
     """Where to send a span per request (OTLP/HTTP, `<url>/v1/traces`), as vLLM's flag of the same name."""
+    middleware: tuple[str, ...] = ()
+    """ASGI middleware classes by import path, added as vLLM's `--middleware` adds them (the worker guards the
+    development endpoints with one: services/engines/vllm_guard.py)."""
 
     # --- lifecycle delays (simulated seconds) ------------------------------
     startup_s: float = Field(default=60.0, ge=0.0)
