@@ -8,6 +8,9 @@ a waiter whose instance is full does not hold back those behind it that may go
 elsewhere, and a newcomer may take a slot that no waiter can use; each
 instance still serves its own waiters in arrival order. A full queue refuses,
 with a retry delay worked out from how fast the queue has drained lately.
+Given an `order`, a pump serves waiters in that order instead, ranked again
+after every grant (the gateway's: priority classes and token-fair shares
+between tenants, `routing/fairness.py`).
 
 Pure, over a clock the caller passes: the gateway wraps it with futures and
 wall time (`services/gateway/admission.py`), the lab with its virtual time
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 R = TypeVar("R")
@@ -80,19 +83,27 @@ class AdmissionQueue(Generic[R, S]):
         """Back to the head, without a slot: a request whose instance went away under it."""
         self.waiting.appendleft(request)
 
-    def pump(self, now: float, take: Callable[[R], S | None], per_session: bool) -> list[tuple[R, S]]:
-        """Hand free slots to waiters, head first, for as long as there are both: who got which."""
+    def pump(self, now: float, take: Callable[[R], S | None], per_session: bool,
+             order: Callable[[Sequence[R]], list[R]] | None = None) -> list[tuple[R, S]]:
+        """Hand free slots to waiters, head first (or in `order`, ranked again after each grant, which may change
+        the ranks), for as long as there are both: who got which."""
         granted: list[tuple[R, S]] = []
-        for request in list(self.waiting):
-            slot = take(request)
-            if slot is None:
-                if per_session:
-                    continue
-                break
-            self.waiting.remove(request)
-            self.departures.append(now)
-            granted.append((request, slot))
-        return granted
+        while True:
+            went = False
+            for request in order(self.waiting) if order is not None else list(self.waiting):
+                slot = take(request)
+                if slot is None:
+                    if per_session:
+                        continue
+                    break
+                self.waiting.remove(request)
+                self.departures.append(now)
+                granted.append((request, slot))
+                went = True
+                if order is not None:
+                    break
+            if not (went and order is not None):
+                return granted
 
     def leave(self, request: R) -> None:
         """The request stops waiting (its client left, or its wait ran out)."""

@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from routing.fairness import DEFAULT_TENANCY
 from services.gateway.console.series import Series
 from services.gateway.edge import Keys, error_response, http_error, unexpected_error
 from services.gateway.operators import command_instance, hold_alias
@@ -61,7 +62,7 @@ ASSETS = {"console.js": "text/javascript", "console.css": "text/css"}
 
 
 def create_admin_app(ctx: ServiceContext, view: LiveView, token: str, series: Series) -> Starlette:
-    keys = Keys(frozenset({token}))
+    keys = Keys({token: DEFAULT_TENANCY})
 
     def guarded(handler):
         async def endpoint(request: Request) -> Response:

@@ -2,10 +2,16 @@
 
 An instance takes at most its reported capacity of requests (`Router.take`).
 A request that finds no room waits in its alias's queue (`routing/queue.py`:
-a bounded FIFO, seed 003's RequestQueue, 256 deep); a slot that frees, or an
-instance that comes up, goes to the head of the queue at once (`pump`). A full
-queue refuses with 429 and a `Retry-After` worked out from how fast the queue
-has been draining.
+seed 003's RequestQueue, 256 deep); a slot that frees, or an instance that
+comes up, goes to the waiter first in line at once (`pump`): by priority class,
+then to the tenant served the fewest tokens for its weight (`routing/fairness.py`;
+`queue_order: fifo` serves in arrival order alone). A tenant holding fewer of the
+alias's slots than its weighted share of them does not wait for others' backlog
+at all: its request borrows a slot past an instance's capacity (within a quarter
+of it, `routing.BORROW_FRACTION`), and the overcommit passes as requests end,
+since no waiter is granted a slot until the instance is back under capacity. A
+full queue refuses with 429 and a `Retry-After` worked out from how fast the
+queue has been draining.
 
 How long a request waits depends on what it waits for (`place`): a slot on a
 running instance (the queue timeout, then 408) or an instance to start at all
@@ -27,9 +33,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 
+from routing.fairness import DEFAULT_AGING_S, FairShare, Tenancy
 from routing.queue import AdmissionQueue, AdmissionQueueFull
 from services.gateway.client_stream import ClientStream
 from services.gateway.context import Refused, RequestContext
@@ -68,10 +76,27 @@ class Waiter:
 class AliasQueue:
     alias: str
     queue: AdmissionQueue[Waiter, Slot]
+    tenants: Counter[str] = field(default_factory=Counter)
+    """Waiters per tenant: who is waiting, without a walk through the queue at every arrival."""
     cold: bool = False
     """Requests waited while nothing of the alias was routable: the next slot granted ends a cold start."""
     signaller: asyncio.Task[None] | None = None
     """Sends the alias's demand signals while any of its requests waits."""
+
+
+def _uncount(queue: AliasQueue, waiter: Waiter) -> None:
+    tenant = waiter.ask.tenancy.tenant
+    queue.tenants[tenant] -= 1
+    if queue.tenants[tenant] <= 0:
+        del queue.tenants[tenant]
+
+
+def _tenancy_of(waiter: Waiter) -> Tenancy:
+    return waiter.ask.tenancy
+
+
+def _entered(waiter: Waiter) -> float:
+    return waiter.entered
 
 
 def alias_starting(alias: str, waited_s: float) -> APIError:
@@ -87,7 +112,8 @@ class Admission:
     def __init__(self, router: Router, meter: Meter, metrics: GatewayMetrics,
                  publish_demand: Callable[[DemandSignal], Awaitable[None]], gateway_id: str, queue_size: int,
                  clock: Callable[[], float], queue_timeout_s: float, start_budget_s: Callable[[str], float],
-                 keepalive_s: float, start_progress: Callable[[str], StartProgress] | None = None) -> None:
+                 keepalive_s: float, start_progress: Callable[[str], StartProgress] | None = None,
+                 fair: bool = True, priority_aging_s: float = DEFAULT_AGING_S) -> None:
         self.router = router
         self.meter = meter
         self.metrics = metrics
@@ -101,6 +127,13 @@ class Admission:
         self.start_progress = start_progress or (lambda alias: StartProgress("placing", None))
         """Where an alias's start stands (`starts.py`), for the clients it holds."""
         self.queues: dict[str, AliasQueue] = {}
+        self.fair = fair
+        self.priority_aging_s = priority_aging_s
+        self.shares: dict[str, FairShare] = {}
+        """Each alias's tenants' virtual token counters: they outlive its queue, which closes whenever it empties."""
+        self.held: dict[str, Counter[str]] = {}
+        """Slots each tenant holds on each alias, and each tenant's weight: its fair share of the alias's slots."""
+        self.weights: dict[str, float] = {}
 
     # ------------------------------------------------------------------ the stage
 
@@ -130,14 +163,30 @@ class Admission:
         self.release(ctx)
         if other is None:
             return await self.place(ctx, client)
+        self._count(other, 1)  # its prompt was charged when it first got a slot
         ctx.slot = other
         return other
 
     def release(self, ctx: RequestContext) -> None:
-        """The request is done with its slot: the next waiter of the alias takes it at once."""
+        """The request is done with its slot: its completion is charged to its tenant, and the next waiter of the
+        alias takes the slot at once."""
         slot, ctx.slot = ctx.slot, None
         if slot is not None:
+            if ctx.usage is not None:
+                self.charge(ctx.alias, ctx.ask.tenancy, ctx.usage[1])
             self.give_back(slot)
+
+    def charge(self, alias: str, tenancy: Tenancy, tokens: int) -> None:
+        """Tokens served to a tenant on the alias (a prompt when its request gets a slot, a completion when it
+        ends): what its fair share is counted in."""
+        if self.fair:
+            self._share(alias).charge(tenancy, tokens)
+
+    def _share(self, alias: str) -> FairShare:
+        share = self.shares.get(alias)
+        if share is None:
+            share = self.shares[alias] = FairShare(self.priority_aging_s)
+        return share
 
     async def _hold(self, ctx: RequestContext, client: ClientStream, waiter: Waiter) -> Slot:
         """Wait in the alias's queue for a slot; `Refused` when the wait's budget runs out first. While nothing of
@@ -187,11 +236,20 @@ class Admission:
         if queue is None or queue.queue.may_take_now(self._per_session(alias)):
             slot = self.router.take(alias, ask)  # the common case: no queue at all, and no object made for one
             if slot is not None:
-                return slot
+                return self._granted(alias, slot)
+        if self.fair and self._below_share(alias, ask.tenancy, queue):
+            slot = self.router.take(alias, ask, borrow=True)
+            if slot is not None:
+                self.metrics.borrowed(alias)
+                return self._granted(alias, slot)
         if queue is None:
             queue = self.queues[alias] = AliasQueue(alias, AdmissionQueue(alias, self.queue_size))
         waiter = Waiter(alias, ask, self.clock(), asyncio.get_running_loop().create_future())
         queue.queue.enqueue(waiter, waiter.entered)
+        tenant = ask.tenancy.tenant
+        if self.fair and not queue.tenants[tenant]:  # its first request waiting: it banked nothing
+            self._share(alias).joined(tenant, list(queue.tenants))
+        queue.tenants[tenant] += 1
         self.meter.of(alias).add_held(1)
         self._note_cold(queue)
         return waiter
@@ -211,6 +269,7 @@ class Admission:
         queue = self.queues.get(waiter.alias)
         if queue is not None and not waiter.granted.done():
             queue.queue.leave(waiter)
+            _uncount(queue, waiter)
         self.meter.of(waiter.alias).add_held(-1)
         self.metrics.waited(waiter.alias, outcome, self.clock() - waiter.entered)
         if waiter.granted.done() and not waiter.claimed:
@@ -223,7 +282,36 @@ class Admission:
     def give_back(self, slot: Slot) -> None:
         """A slot is free again: the next waiter of the alias takes it at once."""
         self.router.release(slot)
+        self._count(slot, -1)
         self.pump(slot.instance.alias)
+
+    def _granted(self, alias: str, slot: Slot) -> Slot:
+        """A request got a slot: its tenant holds one more, and is charged its prompt."""
+        self._count(slot, 1)
+        self.charge(alias, slot.ask.tenancy, slot.ask.tokens)
+        return slot
+
+    def _count(self, slot: Slot, change: int) -> None:
+        tenancy = slot.ask.tenancy
+        held = self.held.setdefault(slot.instance.alias, Counter())
+        held[tenancy.tenant] += change
+        if held[tenancy.tenant] <= 0:
+            del held[tenancy.tenant]
+        self.weights[tenancy.tenant] = tenancy.weight
+
+    def _below_share(self, alias: str, tenancy: Tenancy, queue: AliasQueue | None) -> bool:
+        """Whether the tenant holds fewer of the alias's slots than its weighted share of them, among the tenants
+        holding or waiting for one (a lone tenant's share is every slot: it never borrows)."""
+        capacity = self.router.capacity(alias)
+        if not capacity:
+            return False
+        held = self.held.get(alias, Counter())
+        active = set(held) | {tenancy.tenant} | (set(queue.tenants) if queue is not None else set())
+        if len(active) < 2:
+            return False  # nobody else's backlog to be held behind
+        self.weights[tenancy.tenant] = tenancy.weight
+        share = capacity * tenancy.weight / sum(self.weights.get(t, 1.0) for t in active)
+        return held[tenancy.tenant] + 1 <= share
 
     def view_advanced(self) -> None:
         for alias in list(self.queues):
@@ -234,7 +322,21 @@ class Admission:
         queue = self.queues.get(alias)
         if queue is None:
             return
-        for waiter, slot in queue.queue.pump(self.clock(), self._take(alias), self._per_session(alias)):
+        now = self.clock()
+        per_session = self._per_session(alias)
+        share = self._share(alias) if self.fair else None
+
+        def fair_order(waiting: Sequence[Waiter]) -> list[Waiter]:
+            assert share is not None
+            if not waiting:
+                return []
+            if per_session:  # a waiter whose instance is full lets the next one try: all of them, in order
+                return share.order(waiting, now, _tenancy_of, _entered)
+            return [share.first(waiting, now, _tenancy_of, _entered)]  # only the first may go: no sort
+
+        order = fair_order if share is not None else None
+        for waiter, slot in queue.queue.pump(now, self._take(alias), per_session, order):
+            _uncount(queue, waiter)
             waiter.granted.set_result(slot)
             if queue.cold:
                 queue.cold = False
@@ -246,7 +348,10 @@ class Admission:
         return len(queue.queue) if queue else 0
 
     def _take(self, alias: str) -> Callable[[Waiter], Slot | None]:
-        return lambda waiter: self.router.take(alias, waiter.ask)
+        def take(waiter: Waiter) -> Slot | None:
+            slot = self.router.take(alias, waiter.ask)
+            return self._granted(alias, slot) if slot is not None else None  # charged before the next is ranked
+        return take
 
     def _per_session(self, alias: str) -> bool:
         return self.router.scheduler(alias).per_session

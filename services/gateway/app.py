@@ -102,7 +102,7 @@ class Gateway:
         pool = pool or PoolConfig()
         self.settings = settings
         self.config = pool.gateway
-        self.keys = Keys(pool.gateway.keys())
+        self.keys = Keys.of(pool.gateway.keys())
         self.view = view
         self.client = client
         self.bus = bus
@@ -118,7 +118,9 @@ class Gateway:
         self.starts = StartTimes(self.config.hold_timeout_s)
         self.admission = Admission(self.router, self.meter, self.metrics, bus.publish_demand, self.gateway_id,
                                    self.config.queue_size, self.clock, self.config.queue_timeout_s,
-                                   self.starts.budget_s, self.config.hold_keepalive_s, self.start_progress)
+                                   self.starts.budget_s, self.config.hold_keepalive_s, self.start_progress,
+                                   fair=self.config.queue_order == "fair",
+                                   priority_aging_s=self.config.priority_aging_s)
         mover = KVMover(client, settings.cluster_key, self.clock)
         self.pre_request = PreRequest(self.router, self.sessions, view, mover, self.metrics)
         self.proxy = Proxy(client, self.config, self.router, self.metrics, self.telemetry, self.clock, self._reroute)
@@ -161,7 +163,7 @@ class Gateway:
         """The edge stage, then the rest of the request's way as its ASGI response; a refusal at the edge at once."""
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         try:
-            routed = await accept(request, path, self.keys, self.config.max_body_bytes, self.router.known)
+            routed, tenancy = await accept(request, path, self.keys, self.config.max_body_bytes, self.router.known)
         except APIError as exc:
             response = error_response(exc)
             response.headers[REQUEST_ID_HEADER] = request_id
@@ -176,7 +178,7 @@ class Gateway:
         prompt = read_prompt(routed.model, body, request.headers.get(SESSION_HEADER))
         ctx = RequestContext(
             request_id, routed.model, path, body, orjson.dumps(body), routed.stream, routed.include_usage,
-            Ask(prompt, self.router.tokens.tokens(routed.model, prompt.size_bytes)),
+            Ask(prompt, self.router.tokens.tokens(routed.model, prompt.size_bytes), tenancy=tenancy),
             RequestTrace(self.meter.of(routed.model), self.clock),
             trace_headers={k: request.headers[k] for k in TRACE_HEADERS if k in request.headers}
             if self.telemetry.tracing else {},

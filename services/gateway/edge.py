@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from routing.fairness import DEFAULT_TENANCY, PRIORITIES, Tenancy
+from shared.contracts.config import TenantKey
 from shared.openai_protocol import APIError, bad_request, internal_error, not_found_model
 
 log = logging.getLogger(__name__)
@@ -43,27 +45,34 @@ def too_large(limit: int) -> APIError:
 
 
 class Keys:
-    """The API keys the public endpoint accepts; none configured: the endpoint is open."""
+    """The API keys the public endpoint accepts, each with its tenant; none configured: the endpoint is open, to
+    one tenant."""
 
-    def __init__(self, keys: frozenset[str]) -> None:
-        self._keys = tuple(key.encode() for key in keys)
+    def __init__(self, keys: Mapping[str, Tenancy]) -> None:
+        self._keys = tuple((key.encode(), tenancy) for key, tenancy in keys.items())
+
+    @classmethod
+    def of(cls, keys: Mapping[str, TenantKey]) -> "Keys":
+        return cls({key: Tenancy(k.tenant, k.weight, PRIORITIES[k.priority]) for key, k in keys.items()})
 
     @property
     def required(self) -> bool:
         return bool(self._keys)
 
-    def check(self, request: Request) -> None:
-        """Raise 401 unless the request carries an accepted key (compared in constant time)."""
+    def check(self, request: Request) -> Tenancy:
+        """The tenant of the request's key; 401 unless it carries an accepted one (compared in constant time)."""
         if not self._keys:
-            return
+            return DEFAULT_TENANCY
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise unauthorized("missing API key: send `Authorization: Bearer <key>`")
         given = token.strip().encode()
         # Every key is compared, so the time taken does not tell which one came close.
-        if not any([hmac.compare_digest(given, key) for key in self._keys]):
+        matches = [hmac.compare_digest(given, key) for key, _ in self._keys]
+        if not any(matches):
             raise unauthorized("invalid API key")
+        return self._keys[matches.index(True)][1]
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -118,13 +127,15 @@ def parse_request(raw: bytes, path: str) -> Routed:
     return Routed(body, model, bool(stream), bool(options and options.get("include_usage") is True))
 
 
-async def accept(request: Request, path: str, keys: Keys, limit: int, known: Callable[[str], bool]) -> Routed:
-    """The edge stage: the request's key, size and shape, and a model the gateway serves; else an `APIError`."""
-    keys.check(request)
+async def accept(request: Request, path: str, keys: Keys, limit: int,
+                 known: Callable[[str], bool]) -> tuple[Routed, Tenancy]:
+    """The edge stage: the request's key (and so its tenant), size and shape, and a model the gateway serves;
+    else an `APIError`."""
+    tenancy = keys.check(request)
     routed = parse_request(await read_body(request, limit), path)
     if not known(routed.model):
         raise not_found_model(routed.model)
-    return routed
+    return routed, tenancy
 
 
 async def http_error(_: Request, exc: Exception) -> JSONResponse:

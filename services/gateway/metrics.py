@@ -45,6 +45,7 @@ class GatewayMetrics:
         self.tpot: dict[tuple[str, str], Histogram] = {}
         self.retries: dict[tuple[str, str, str], int] = {}
         self.cold_starts: dict[str, int] = {}
+        self.borrows: dict[str, int] = {}
         self.demand_signals: dict[str, int] = {}
         self.session_moves: dict[tuple[str, str], int] = {}
         self.kv_moves: dict[tuple[str, str], int] = {}
@@ -73,6 +74,9 @@ class GatewayMetrics:
 
     def cold_start(self, alias: str) -> None:
         self.cold_starts[alias] = self.cold_starts.get(alias, 0) + 1
+
+    def borrowed(self, alias: str) -> None:
+        self.borrows[alias] = self.borrows.get(alias, 0) + 1
 
     def session_moved(self, alias: str, reason: str) -> None:
         key = (alias, reason)
@@ -109,6 +113,10 @@ class GatewayMetrics:
                "Times requests waited for an alias with nothing routable and were then given an instance.")
         for alias, n in sorted(self.cold_starts.items()):
             out.append(f"modelpool:cold_starts_total{{{_labels(alias=alias)}}} {n}")
+        family(out, "modelpool:slots_borrowed_total", "counter",
+               "Requests of a tenant below its fair share of a saturated alias, sent past an instance's capacity.")
+        for alias, n in sorted(self.borrows.items()):
+            out.append(f"modelpool:slots_borrowed_total{{{_labels(alias=alias)}}} {n}")
         family(out, "modelpool:demand_signals_total", "counter", "Demand signals sent for requests waiting on a cold alias.")
         for alias, n in sorted(self.demand_signals.items()):
             out.append(f"modelpool:demand_signals_total{{{_labels(alias=alias)}}} {n}")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 from routing.backends import backend_order, taking_new
+from routing.fairness import DEFAULT_TENANCY, Tenancy
 from routing.registry import build_scheduler
 from routing.scheduler import Endpoint, RoutingRequest, Scheduler, SessionState
 from services.gateway.prompts import BLOCK_BYTES, PrefixIndex, Prompt, TokensPerByte
@@ -46,13 +47,15 @@ def _running_since(row: InstanceRow) -> tuple[datetime, str]:
 
 @dataclass(frozen=True, slots=True)
 class Ask:
-    """What the router knows of a request before it is sent: its prompt's session and blocks, its tokens;
-    for a request sent again, the backend it stays on and the instances that failed it."""
+    """What the router knows of a request before it is sent: its prompt's session and blocks, its tokens, its
+    tenant (which orders its alias's queue); for a request sent again, the backend it stays on and the instances
+    that failed it."""
 
     prompt: Prompt
     tokens: int
     backend: BackendType | None = None
     avoid: frozenset[str] = frozenset()
+    tenancy: Tenancy = DEFAULT_TENANCY
 
 
 NO_PROMPT = Ask(Prompt("", (), 0), 0)
@@ -112,8 +115,15 @@ def tier_reason(state: RoutingState, mix_weight: float, first: BackendType, back
     return ""
 
 
-def _has_room(row: InstanceRow, inflight: int) -> bool:
-    return not row.capacity or inflight < row.capacity  # an instance that has not said its capacity takes what comes
+BORROW_FRACTION = 4
+"""A request borrowing past an instance's capacity (a tenant below its fair share, `admission.py`) may take up to
+a quarter of its capacity (at least one) more: the overcommit is bounded, and passes as those requests end."""
+
+
+def _has_room(row: InstanceRow, inflight: int, borrow: bool = False) -> bool:
+    if not row.capacity:
+        return True  # an instance that has not said its capacity takes what comes
+    return inflight < row.capacity + (max(1, row.capacity // BORROW_FRACTION) if borrow else 0)
 
 
 class Router:
@@ -197,14 +207,15 @@ class Router:
         tier = config.backends.get(backend) if config else None
         return tier.max_model_len if tier else None
 
-    def take(self, alias: str, ask: Ask = NO_PROMPT) -> Slot | None:
-        """A slot for one request of `alias`, or None when no instance it may use may take it now."""
+    def take(self, alias: str, ask: Ask = NO_PROMPT, borrow: bool = False) -> Slot | None:
+        """A slot for one request of `alias`, or None when no instance it may use may take it now; `borrow`: past
+        an instance's capacity, within `BORROW_FRACTION` of it."""
         if ask.backend:
-            return self.take_in(alias, ask.backend, ask, ask.avoid)
+            return self.take_in(alias, ask.backend, ask, ask.avoid, borrow)
         state, weight = self.state(alias)
         backends = backend_order(state, weight, self.rng.random())
         for backend in backends:
-            slot = self.take_in(alias, backend, ask, ask.avoid)
+            slot = self.take_in(alias, backend, ask, ask.avoid, borrow)
             if slot is not None:
                 tier = tier_reason(state, weight, backends[0], backend)
                 if tier:
@@ -217,14 +228,14 @@ class Router:
         return any(row.instance_id not in avoid for row in self._instances(alias, backend))
 
     def take_in(self, alias: str, backend: BackendType, ask: Ask = NO_PROMPT,
-                exclude: frozenset[str] = frozenset()) -> Slot | None:
+                exclude: frozenset[str] = frozenset(), borrow: bool = False) -> Slot | None:
         """A slot on the instance of `backend` the alias's router picks, if one may take the request."""
         rows = {row.instance_id: row for row in self._instances(alias, backend) if row.instance_id not in exclude}
         if not rows:
             return None
         scheduler = self.scheduler(alias)
         kv_len = self.max_model_len(alias, backend)
-        endpoints = {i: self._endpoint(row, ask, scheduler.reads_cache, kv_len) for i, row in rows.items()}
+        endpoints = {i: self._endpoint(row, ask, scheduler.reads_cache, kv_len, borrow) for i, row in rows.items()}
         if scheduler.binds_sessions and self.sessions is not None:
             session = self.sessions.state(ask.prompt.session_id)
         else:
@@ -268,14 +279,15 @@ class Router:
             return roomiest[choice.instance_id] if choice is not None else next(iter(roomiest.values()))
         return None
 
-    def _endpoint(self, row: InstanceRow, ask: Ask, reads_cache: bool, kv_len: int | None) -> Endpoint:
+    def _endpoint(self, row: InstanceRow, ask: Ask, reads_cache: bool, kv_len: int | None,
+                  borrow: bool = False) -> Endpoint:
         instance_id = row.instance_id
         inflight = self.inflight.get(instance_id, 0)
         kv_free = None
         if row.capacity and kv_len:
             resident = self.sessions.kv_resident(instance_id) if self.sessions is not None else 0
             kv_free = row.capacity * kv_len - resident
-        return Endpoint(instance_id, inflight, not _has_room(row, inflight), self.pending.get(instance_id, 0),
+        return Endpoint(instance_id, inflight, not _has_room(row, inflight, borrow), self.pending.get(instance_id, 0),
                         self._cached_tokens(row.alias, instance_id, ask) if reads_cache else 0, kv_free, row.capacity)
 
     def _cached_tokens(self, alias: str, instance_id: str, ask: Ask) -> int:
@@ -301,6 +313,12 @@ class Router:
                 self.pending[slot.instance_id] = left
             else:
                 self.pending.pop(slot.instance_id, None)
+
+    def capacity(self, alias: str) -> int | None:
+        """The concurrent requests the instances the routing state allows take in all; None when one of them has
+        not said (it takes what comes)."""
+        rows = [row for b in backend_order(*self.state(alias), 0.0) for row in self._instances(alias, b)]
+        return None if any(not row.capacity for row in rows) else sum(row.capacity for row in rows)
 
     def routable(self, alias: str) -> bool:
         """Whether any instance the routing state allows is running, full or not."""

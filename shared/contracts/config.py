@@ -21,12 +21,13 @@ explicit arguments, later winning; every error names the field and where it came
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.contracts.backends import ENGINES, BackendType, EngineKind
 from shared.contracts.engine_flags import ENGINE_FLAGS, refused_flags
@@ -209,6 +210,55 @@ GATEWAY_ENVIRONMENT = {
 }
 
 
+Priority = Literal["low", "normal", "high"]
+
+
+class TenantKey(BaseModel):
+    """An API key with the tenant it serves (docs/tenancy.md): the tenant's weight in the fair share of a
+    saturated alias, and its priority class in the alias's queue."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: str = Field(min_length=1)
+    tenant: str = Field(min_length=1, max_length=64)
+    weight: float = Field(default=1.0, gt=0)
+    priority: Priority = "normal"
+
+    @field_validator("key")
+    @classmethod
+    def _plain_key(cls, key: str) -> str:
+        if any(c.isspace() for c in key):
+            raise ValueError("a key must be without whitespace")
+        return key
+
+    def __repr__(self) -> str:  # never the key itself
+        return f"TenantKey(tenant={self.tenant!r}, weight={self.weight}, priority={self.priority!r})"
+
+
+def anonymous_tenant(key: str) -> str:
+    """The tenant of a key listed without one: named by a digest of the key (the key itself is never shown)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def parse_key_line(line: str, where: str) -> TenantKey | None:
+    """One line of a keys file: `KEY`, or `KEY tenant=NAME weight=W priority=low|normal|high`; None for a blank
+    or comment line."""
+    words = line.split("#", 1)[0].split()
+    if not words:
+        return None
+    key, fields = words[0], {}
+    for word in words[1:]:
+        name, sep, value = word.partition("=")
+        if not sep or name not in ("tenant", "weight", "priority"):
+            raise ConfigError("gateway.api_keys_file", f"{where}: {word!r} is not tenant=, weight= or priority=")
+        fields[name] = value
+    try:
+        return TenantKey(key=key, **{"tenant": anonymous_tenant(key), **fields})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise ConfigError("gateway.api_keys_file", f"{where}: {'.'.join(map(str, error['loc']))}: {error['msg']}") from None
+
+
 class GatewayConfig(BaseModel):
     """The public endpoint's admission limits, holds, timeouts, windows and keys (the pool file's `gateway:`).
 
@@ -238,9 +288,18 @@ class GatewayConfig(BaseModel):
     """Longest wait for the first event of a stream (engines begin a stream at once): an instance silent this
     long is passed over and the request sent to another, as nothing of it has reached the client yet."""
     api_keys: tuple[str, ...] = ()
-    """Keys the public endpoint accepts as `Authorization: Bearer <key>`; none: the endpoint is open."""
+    """Keys the public endpoint accepts as `Authorization: Bearer <key>`, each its own tenant; none (and no
+    `tenant_keys`, no file): the endpoint is open, to one tenant."""
     api_keys_file: str | None = None
-    """A file of further keys, one per line (`#` starts a comment)."""
+    """A file of further keys, one per line, each optionally with its tenant, weight and priority
+    (`KEY tenant=team-a weight=2 priority=high`; `#` starts a comment)."""
+    tenant_keys: tuple[TenantKey, ...] = ()
+    """Keys with their tenants, weights and priorities (`{key, tenant, weight, priority}`)."""
+    queue_order: Literal["fair", "fifo"] = "fair"
+    """The order a saturated alias's waiters are served in: priority classes, then token-fair shares between
+    tenants (`routing/fairness.py`), or arrival order alone."""
+    priority_aging_s: float = Field(default=10.0, gt=0)
+    """Every this long a request waits raises it one priority class: no class waits forever behind another."""
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -257,17 +316,20 @@ class GatewayConfig(BaseModel):
                 raise ValueError("a key must be non-empty and without whitespace")
         return keys
 
-    def keys(self) -> frozenset[str]:
-        """Every accepted key: the listed ones and the file's (read now, so a changed file is read at start)."""
-        keys = set(self.api_keys)
+    def keys(self) -> dict[str, TenantKey]:
+        """Every accepted key with its tenant: the listed ones, the file's (read now, so a changed file is read at
+        start) and `tenant_keys`, later ones winning."""
+        keys = {key: TenantKey(key=key, tenant=anonymous_tenant(key)) for key in self.api_keys}
         if self.api_keys_file:
             try:
                 lines = Path(self.api_keys_file).read_text().splitlines()
             except OSError as exc:
                 raise ConfigError("gateway.api_keys_file", f"cannot read {self.api_keys_file}: {exc.strerror}") from exc
-            keys.update(line.split("#", 1)[0].strip() for line in lines)
-            keys.discard("")
-        return frozenset(keys)
+            for number, line in enumerate(lines, 1):
+                if (parsed := parse_key_line(line, f"{self.api_keys_file}:{number}")) is not None:
+                    keys[parsed.key] = parsed
+        keys.update((k.key, k) for k in self.tenant_keys)
+        return keys
 
 
 CONTROLLER_ENVIRONMENT = {

@@ -62,8 +62,12 @@ def test_the_cluster_file_names_the_official_images_and_every_server_of_the_nats
     assert services["postgres"]["image"] == "${POSTGRES_IMAGE:-postgres:16}"
     assert services["lb"]["image"] == "${HAPROXY_IMAGE:-haproxy:2.8-alpine}"
     assert services["migrate"]["build"]["args"]["PYTHON_IMAGE"] == "${PYTHON_IMAGE:-python:3.11-slim}"
-    modelpool = {name: s for name, s in services.items() if s.get("image") == "modelpool:local"}
+    modelpool = {name: s for name, s in services.items()
+                 if s.get("image") == "modelpool:local" and name != "credentials"}
     assert len(modelpool) == 11  # migrate, relay, projector, placement, 2 autoscalers, 3 workers, 2 gateways
+    # The cluster secret: made once in its volume, which only the gateways and the workers mount.
+    holders = {name for name, s in modelpool.items() if any(v.startswith("credentials:") for v in s.get("volumes", []))}
+    assert holders == {"gateway-1", "gateway-2", "worker-1", "worker-2", "worker-3"}
     for name, service in modelpool.items():
         env = service["environment"]
         assert env["NATS_URL"].split(",") == [f"nats://{n}:4222" for n in NATS_SERVERS], name
