@@ -20,6 +20,13 @@ served, and A's backlog is abandoned (the gateway cancels it). The gateway's
 queue is as shipped (256 deep, 60 s): a request finding it full is refused
 with 429, which counts against its tenant's share.
 
+Then slow clients, once per repeat, on a fresh gateway with its limits as
+shipped (4,096 connections, 10 s for headers, 30 s for a body):
+`--slow-clients` connections each send a request's headers announcing a
+1 MiB body, 4 KiB of it, then 100 bytes a second; meanwhile `/health` is asked
+20 times a second. Reported: the gateway's RSS growth (peak over the phase,
+less its RSS before the connections opened) and `/health`'s latency p99.
+
     .venv/bin/python bench/tenancy.py --repeats 3
 
 Progress goes to stderr; the last line on stdout is the JSON summary.
@@ -169,6 +176,41 @@ def gateway_service(work: Path, settings: Settings, port: int, order: str, name:
         "MODELPOOL_GATEWAY_PORT": str(port), "MODELPOOL_GATEWAY_ID": name, "MODELPOOL_CONFIG": str(pool)})
 
 
+async def slow_clients(url: str, gateway: BenchService, connections: int, seconds: float) -> dict:
+    """`connections` slow bodies held open for `seconds` while `/health` is timed; the gateway's RSS growth."""
+    host, port = url.removeprefix("http://").split(":")
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {2**20}\r\n\r\n").encode()
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        await client.get("/health")
+        before = gateway.rss_bytes()
+        writers = []
+        for _ in range(connections):
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(head + b'{"model": "' + b"x" * 4096)
+            writers.append(writer)
+        say(f"  {connections} slow bodies open; timing /health for {seconds:g} s")
+        latencies, peak = [], gateway.rss_bytes()
+        deadline = time.monotonic() + seconds
+        next_trickle = time.monotonic() + 1
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            assert (await client.get("/health")).status_code == 200
+            latencies.append((time.perf_counter() - started) * 1000)
+            peak = max(peak, gateway.rss_bytes())
+            if time.monotonic() >= next_trickle:
+                for writer in writers:
+                    writer.write(b"x" * 100)
+                next_trickle += 1
+            await asyncio.sleep(0.05)
+        for writer in writers:
+            writer.close()
+    return {"slow_clients": connections, "rss_before_mib": round(before / 2**20, 1),
+            "rss_growth_mib": round((peak - before) / 2**20, 1),
+            "health_p50_ms": round(quantile(latencies, 0.5), 2), "health_p99_ms": round(quantile(latencies, 0.99), 2),
+            "health_requests": len(latencies)}
+
+
 async def run(args: argparse.Namespace, work: Path) -> dict:
     settings = Settings.load({}, namespace=f"bench_tenancy_{secrets.token_hex(4)}")
     engine_port = free_port()
@@ -203,6 +245,16 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
                 gateway.stop()
                 gateway = None
                 await asyncio.sleep(2)  # the engine finishes or drops what was abandoned
+            if args.slow_clients:
+                port = free_port()
+                gateway = gateway_service(work, settings, port, "fair", f"gw-slow-{repeat}")
+                url = f"http://127.0.0.1:{port}"
+                await wait_ready(f"{url}/health", gateway)
+                row["slow"] = await slow_clients(url, gateway, args.slow_clients, args.slow_seconds)
+                say(f"  slow clients: RSS +{row['slow']['rss_growth_mib']} MiB, "
+                    f"/health p99 {row['slow']['health_p99_ms']} ms")
+                gateway.stop()
+                gateway = None
             for order in ("fifo", "fair"):
                 solo, p95 = row["solo"]["b_ttft_p95_ms"], row[order]["b_ttft_p95_ms"]
                 row[order]["b_ttft_p95_ratio"] = round(p95 / solo, 2) if p95 and solo else None
@@ -214,7 +266,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         await drop_namespace(settings)
 
     def spread(order: str, key: str) -> dict:
-        values = [r[order][key] for r in repeats if r[order].get(key) is not None]
+        values = [r[order][key] for r in repeats if order in r and r[order].get(key) is not None]
         if not values:
             return {"median": None, "min": None, "max": None}
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
@@ -227,10 +279,15 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         "b_ttft_p95_ratio_fair": fair_ratio["median"], "b_ttft_p95_ratio_fifo": fifo_ratio["median"],
         "b_token_share_fair": spread("fair", "b_token_share")["median"],
         "b_token_share_fifo": spread("fifo", "b_token_share")["median"],
+        "slow_clients": args.slow_clients,
+        "slow_clients_rss_growth_mib": spread("slow", "rss_growth_mib")["median"],
+        "health_p99_ms_under_slow_clients": spread("slow", "health_p99_ms")["median"],
         "spread": {"b_ttft_p95_ratio_fair": fair_ratio, "b_ttft_p95_ratio_fifo": fifo_ratio,
                    "b_token_share_fair": spread("fair", "b_token_share"),
                    "b_token_share_fifo": spread("fifo", "b_token_share"),
-                   "b_ttft_p95_ms_solo": spread("solo", "b_ttft_p95_ms")},
+                   "b_ttft_p95_ms_solo": spread("solo", "b_ttft_p95_ms"),
+                   "slow_clients_rss_growth_mib": spread("slow", "rss_growth_mib"),
+                   "health_p99_ms_under_slow_clients": spread("slow", "health_p99_ms")},
         "runs": repeats,
     }
 
@@ -245,6 +302,8 @@ def main() -> None:
     parser.add_argument("--grace", type=float, default=5.0)
     parser.add_argument("--calibrate-s", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--slow-clients", type=int, default=2000, help="slow-body connections (0: no such phase)")
+    parser.add_argument("--slow-seconds", type=float, default=10.0)
     parser.add_argument("--flood-only", metavar="URL", help=argparse.SUPPRESS)  # A's load, run by a phase
     parser.add_argument("--flood-rate", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)

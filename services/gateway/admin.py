@@ -35,9 +35,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from routing.fairness import DEFAULT_TENANCY
 from services.gateway.console.series import Series
-from services.gateway.edge import Keys, error_response, http_error, unexpected_error
+from services.gateway.edge import OPEN_CALLER, Keys, error_response, http_error, unexpected_error
 from services.gateway.operators import command_instance, hold_alias
 from services.ops.explain import explain, find
 from services.ops.history import inputs_of, summarize
@@ -62,7 +61,7 @@ ASSETS = {"console.js": "text/javascript", "console.css": "text/css"}
 
 
 def create_admin_app(ctx: ServiceContext, view: LiveView, token: str, series: Series) -> Starlette:
-    keys = Keys({token: DEFAULT_TENANCY})
+    keys = Keys({token: OPEN_CALLER})
 
     def guarded(handler):
         async def endpoint(request: Request) -> Response:

@@ -343,6 +343,17 @@ class Admission:
                 self.metrics.cold_start(alias)
         self._note_cold(queue)
 
+    def refuses(self, alias: str, tenancy: Tenancy) -> float | None:
+        """If a request of the tenant for `alias` would be refused now whatever it asks (the queue is full and it
+        may neither try for a slot first nor borrow one): how long to retry after. Decided before its body is
+        read."""
+        queue = self.queues.get(alias)
+        if queue is None or len(queue.queue) < self.queue_size or self._per_session(alias):
+            return None
+        if self.fair and self._below_share(alias, tenancy, queue):
+            return None
+        return queue.queue.retry_after_s(self.clock())
+
     def waiting(self, alias: str) -> int:
         queue = self.queues.get(alias)
         return len(queue.queue) if queue else 0

@@ -50,6 +50,7 @@ from services.gateway.context import Refused, RequestContext
 from services.gateway.edge import (
     CHAT,
     COMPLETIONS,
+    Caller,
     Keys,
     accept,
     error_response,
@@ -66,6 +67,7 @@ from services.gateway.post_response import PostResponse
 from services.gateway.pre_request import PreRequest
 from services.gateway.prompts import SESSION_HEADER, read_prompt
 from services.gateway.proxy import Proxy
+from services.gateway.quotas import Quotas
 from services.gateway.resume import StreamTranscript
 from services.gateway.routing import Ask, Router, Slot
 from services.gateway.sessions import Sessions
@@ -73,12 +75,12 @@ from services.gateway.starts import StartProgress, StartTimes
 from shared.bus.telemetry import TelemetryBus
 from shared.client_gone import client_gone
 from shared.contracts.backends import BackendType, engine_label
-from shared.contracts.config import PoolConfig
+from shared.contracts.config import ConfigError, PoolConfig
 from shared.contracts.messages import utcnow
 from shared.contracts.states import RoutingState
 from shared.eventlog.store import StoredEvent
 from shared.metering import RequestOutcome, RequestTrace
-from shared.openai_protocol import APIError, BackendCard, ModelCard, ModelList
+from shared.openai_protocol import APIError, BackendCard, ModelCard, ModelList, too_many_requests
 from shared.projections.live import LiveView
 from shared.projections.readmodels import INSTANCES, ROUTING, SESSIONS, WORKERS
 from shared.settings import Settings
@@ -87,6 +89,20 @@ from shared.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 TRACE_HEADERS = ("traceparent", "tracestate")
+LIMIT_OF_CODE = {"rpm_exceeded": "rpm", "tpm_exceeded": "tpm", "max_concurrent_exceeded": "max_concurrent",
+                 "model_not_allowed": "aliases"}
+
+
+KEYS_FILE_POLL_S = 2.0
+
+
+def _stamp(path: str) -> tuple[int, int, int] | None:
+    """What tells a changed file: its modification time, size and inode (a file replaced by a rename, too)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size, stat.st_ino
 
 
 def gateway_id(settings: Settings) -> str:
@@ -102,7 +118,7 @@ class Gateway:
         pool = pool or PoolConfig()
         self.settings = settings
         self.config = pool.gateway
-        self.keys = Keys.of(pool.gateway.keys())
+        self.keys = Keys.of(pool.gateway.keys(), pool.gateway.sessions_per_minute)
         self.view = view
         self.client = client
         self.bus = bus
@@ -114,6 +130,7 @@ class Gateway:
         self.sessions = Sessions(view.store, self.clock)
         self.router = Router(view, random.Random(), self.configured, self.sessions)
         self.meter = Meter(self.gateway_id, self.config.metric_window_s, self.clock)
+        self.quotas = Quotas(self.gateway_id)
         self.metrics = GatewayMetrics()
         self.starts = StartTimes(self.config.hold_timeout_s)
         self.admission = Admission(self.router, self.meter, self.metrics, bus.publish_demand, self.gateway_id,
@@ -122,9 +139,9 @@ class Gateway:
                                    fair=self.config.queue_order == "fair",
                                    priority_aging_s=self.config.priority_aging_s)
         mover = KVMover(client, settings.cluster_key, self.clock)
-        self.pre_request = PreRequest(self.router, self.sessions, view, mover, self.metrics)
+        self.pre_request = PreRequest(self.router, self.sessions, view, mover, self.metrics, self.quotas)
         self.proxy = Proxy(client, self.config, self.router, self.metrics, self.telemetry, self.clock, self._reroute)
-        self.post_response = PostResponse(self.admission, self.router, self.sessions, self.metrics)
+        self.post_response = PostResponse(self.admission, self.router, self.sessions, self.metrics, self.quotas)
         self.handoff = Handoff(self.router, self.sessions, view, mover, self.metrics, self.clock)
 
     def start_progress(self, alias: str) -> StartProgress:
@@ -148,6 +165,27 @@ class Gateway:
     async def publish_windows(self, stop: asyncio.Event) -> None:
         await self.meter.run(lambda: list(self.view[ROUTING]), self.bus.publish_window, stop)
 
+    async def follow_keys_file(self, stop: asyncio.Event, every_s: float = KEYS_FILE_POLL_S) -> None:
+        """Read the keys file again whenever it changes, so keys are added, limited and revoked without a restart;
+        a file that no longer parses is reported and the keys in use are kept."""
+        path = self.config.api_keys_file
+        if not path:
+            return
+        seen = _stamp(path)
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+            stamp = _stamp(path)
+            if stamp == seen:
+                continue
+            seen = stamp
+            try:
+                self.keys = Keys.of(self.config.keys(), self.config.sessions_per_minute)
+            except ConfigError as exc:
+                log.error("the keys file changed but cannot be used (%s); the keys in use are kept", exc)
+                continue
+            log.info("keys file %s read again: %d keys", path, len(self.keys))
+
     async def keep_sessions(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
         """Record the bindings made, and release the sessions this replica served that have idled past their
         router's `session_idle_s`; handoffs under way end with it."""
@@ -160,30 +198,57 @@ class Gateway:
             await self.handoff.close()
 
     async def exchange(self, request: Request, path: str) -> Exchange | Response:
-        """The edge stage, then the rest of the request's way as its ASGI response; a refusal at the edge at once."""
+        """The edge stage and the key's limits, then the rest of the request's way as its ASGI response; a refusal
+        at once."""
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         try:
-            routed, tenancy = await accept(request, path, self.keys, self.config.max_body_bytes, self.router.known)
+            routed, caller = await accept(request, path, self.keys, self.config.max_body_bytes, self.router.known,
+                                          self.refuses_unread, self.config.body_timeout_s)
+            body = routed.body
+            if routed.stream:
+                # Ask for usage, so the window counts tokens exactly; the scanner takes it out
+                # again unless the client asked for it too.
+                body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            prompt = read_prompt(routed.model, body, request.headers.get(SESSION_HEADER))
+            tokens = self.router.tokens.tokens(routed.model, prompt.size_bytes)
+            trace = RequestTrace(self.meter.of(routed.model), self.clock)
+            quota = self.quotas.enter(caller.limits, routed.model, tokens, lambda: trace.content_chunks)
         except APIError as exc:
+            if exc.status in (403, 429):
+                self.metrics.refused_by_limit(LIMIT_OF_CODE.get(str(exc.body.error.code), "queue"))
             response = error_response(exc)
             response.headers[REQUEST_ID_HEADER] = request_id
             log_access({"request_id": request_id, "path": path, "status": exc.status, "outcome": "rejected",
                         "error": exc.body.error.code})
             return response
-        body = routed.body
-        if routed.stream:
-            # Ask for usage, so the window counts tokens exactly; the scanner takes it out
-            # again unless the client asked for it too.
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        prompt = read_prompt(routed.model, body, request.headers.get(SESSION_HEADER))
         ctx = RequestContext(
             request_id, routed.model, path, body, orjson.dumps(body), routed.stream, routed.include_usage,
-            Ask(prompt, self.router.tokens.tokens(routed.model, prompt.size_bytes), tenancy=tenancy),
-            RequestTrace(self.meter.of(routed.model), self.clock),
+            Ask(prompt, tokens, tenancy=caller.tenancy), trace,
             trace_headers={k: request.headers[k] for k in TRACE_HEADERS if k in request.headers}
             if self.telemetry.tracing else {},
-            transcript=StreamTranscript(path, body) if routed.stream else None)
+            transcript=StreamTranscript(path, body) if routed.stream else None, quota=quota)
         return Exchange(self, ctx)
+
+    def refuses_unread(self, caller: Caller) -> APIError | None:
+        """A 429 before the body is read, when every alias the caller may use has a full queue it could not get
+        past: a client flooding a saturated pool costs the gateway no buffer."""
+        if not self.admission.queues:
+            return None  # nothing waits anywhere: the common case, at no cost
+        aliases = caller.limits.aliases or {*self.configured, *self.view[ROUTING]}
+        waits = []
+        for alias in aliases:
+            wait = self.admission.refuses(alias, caller.tenancy) if self.router.known(alias) else None
+            if wait is None:
+                return None
+            waits.append(wait)
+        if not waits:
+            return None
+        if len(aliases) == 1:  # counted as the alias's queue would have
+            self.metrics.request(next(iter(aliases)), "none", RequestOutcome.QUEUE_FULL.value, 429)
+        # The body is not buffered: the HTTP parser drops it as it comes, and the connection serves on.
+        names = ", ".join(f"`{alias}`" for alias in sorted(aliases))
+        return too_many_requests(f"the queue of every model this key may use is full ({names}); "
+                                 f"retry after {min(waits):.0f} s", min(waits))
 
     async def serve(self, ctx: RequestContext, client: ClientStream) -> None:
         """Admission, pre-request and proxy, then post-response whatever happened (the client leaving included)."""
@@ -280,10 +345,11 @@ def create_app(gateway: Gateway) -> Starlette:
 
     async def models(request: Request) -> Response:
         try:
-            gateway.keys.check(request)
+            caller = gateway.keys.check(request)
         except APIError as exc:
             return error_response(exc)
-        return JSONResponse(ModelList(data=model_cards(gateway)).model_dump(exclude_none=True))
+        cards = [card for card in model_cards(gateway) if caller.limits.allows(card.id)]
+        return JSONResponse(ModelList(data=cards).model_dump(exclude_none=True))
 
     async def metrics(_: Request) -> Response:
         waiting = {alias: gateway.admission.waiting(alias) for alias in gateway.admission.queues}

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 
 from services.gateway.resume import StreamTranscript
+from services.gateway.quotas import Ticket
 from services.gateway.routing import Ask, Slot
 from services.gateway.sse import Usage
 from shared.metering import RequestOutcome, RequestTrace
@@ -54,6 +55,8 @@ class RequestContext:
     """What made the gateway send the request again, each time (`503`, `broken connection`)."""
     cold_start_ms: int | None = None
     """How long the request was held for its alias to come up, when it was (told to the client)."""
+    quota: Ticket | None = None
+    """Its hold on its key's limits (`quotas.py`), given back when it ends."""
 
 
     @property

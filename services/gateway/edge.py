@@ -10,6 +10,7 @@ error body with its status.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Callable, Mapping
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from routing.fairness import DEFAULT_TENANCY, PRIORITIES, Tenancy
+from services.gateway.quotas import KeyLimits
 from shared.contracts.config import TenantKey
 from shared.openai_protocol import APIError, bad_request, internal_error, not_found_model
 
@@ -44,25 +46,42 @@ def too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
-class Keys:
-    """The API keys the public endpoint accepts, each with its tenant; none configured: the endpoint is open, to
-    one tenant."""
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request, as its key says: its tenant (for the fair queue) and its limits (`quotas.py`)."""
 
-    def __init__(self, keys: Mapping[str, Tenancy]) -> None:
-        self._keys = tuple((key.encode(), tenancy) for key, tenancy in keys.items())
+    tenancy: Tenancy
+    limits: KeyLimits
+
+
+OPEN_CALLER = Caller(DEFAULT_TENANCY, KeyLimits())
+
+
+class Keys:
+    """The API keys the public endpoint accepts, each with its tenant and limits; none configured: the endpoint is
+    open, to one caller."""
+
+    def __init__(self, keys: Mapping[str, Caller], open_caller: Caller = OPEN_CALLER) -> None:
+        self._keys = tuple((key.encode(), caller) for key, caller in keys.items())
+        self._open = open_caller
 
     @classmethod
-    def of(cls, keys: Mapping[str, TenantKey]) -> "Keys":
-        return cls({key: Tenancy(k.tenant, k.weight, PRIORITIES[k.priority]) for key, k in keys.items()})
+    def of(cls, keys: Mapping[str, TenantKey], sessions_per_minute: int | None = None) -> "Keys":
+        return cls({key: Caller(Tenancy(k.tenant, k.weight, PRIORITIES[k.priority]),
+                                KeyLimits.of(k, sessions_per_minute)) for key, k in keys.items()},
+                   Caller(DEFAULT_TENANCY, KeyLimits(sessions_per_minute=sessions_per_minute)))
 
     @property
     def required(self) -> bool:
         return bool(self._keys)
 
-    def check(self, request: Request) -> Tenancy:
-        """The tenant of the request's key; 401 unless it carries an accepted one (compared in constant time)."""
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def check(self, request: Request) -> Caller:
+        """The caller the request's key names; 401 unless it carries an accepted one (compared in constant time)."""
         if not self._keys:
-            return DEFAULT_TENANCY
+            return self._open
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
@@ -75,17 +94,24 @@ class Keys:
         return self._keys[matches.index(True)][1]
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused with 413 as soon as it is known to exceed `limit` (before it is read whole)."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, refused with 413 as soon as it is known to exceed `limit` (before it is read whole), and
+    with 408 if it has not arrived whole within `timeout_s` of the headers: a slow client holds no buffer long."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        # The rest of the body may still come: the connection closes, not to read it as a next request.
+        raise APIError(408, f"the request body did not arrive whole within {timeout_s:g} s",
+                       type="invalid_request_error", code="body_timeout", headers={"Connection": "close"}) from None
     return b"".join(chunks)
 
 
@@ -127,15 +153,19 @@ def parse_request(raw: bytes, path: str) -> Routed:
     return Routed(body, model, bool(stream), bool(options and options.get("include_usage") is True))
 
 
-async def accept(request: Request, path: str, keys: Keys, limit: int,
-                 known: Callable[[str], bool]) -> tuple[Routed, Tenancy]:
-    """The edge stage: the request's key (and so its tenant), size and shape, and a model the gateway serves;
-    else an `APIError`."""
-    tenancy = keys.check(request)
-    routed = parse_request(await read_body(request, limit), path)
+async def accept(request: Request, path: str, keys: Keys, limit: int, known: Callable[[str], bool],
+                 full: Callable[[Caller], APIError | None] = lambda caller: None,
+                 body_timeout_s: float | None = None) -> tuple[Routed, Caller]:
+    """The edge stage: the request's key (and so its caller), size and shape, and a model the gateway serves;
+    else an `APIError`. When `full` refuses the caller (every alias it may use has a full queue), the body is
+    never read."""
+    caller = keys.check(request)
+    if (refusal := full(caller)) is not None:
+        raise refusal
+    routed = parse_request(await read_body(request, limit, body_timeout_s), path)
     if not known(routed.model):
         raise not_found_model(routed.model)
-    return routed, tenancy
+    return routed, caller
 
 
 async def http_error(_: Request, exc: Exception) -> JSONResponse:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -13,6 +14,7 @@ from starlette.applications import Starlette
 from services.gateway.access_log import writing_to
 from services.gateway.admin import create_admin_app
 from services.gateway.app import Gateway, create_app
+from services.gateway.connections import bounded_http
 from services.gateway.console.series import Series
 from services.gateway.proxy import upstream_client
 from services.runtime import ServiceContext, http_server, run_service
@@ -45,7 +47,8 @@ async def _serve(ctx: ServiceContext, pool: PoolConfig) -> None:
         gateway = Gateway(ctx.settings, view, client, ctx.telemetry_bus, pool, ctx.telemetry)
         await retry_until_done(gateway.start, "reading the aliases' start times", log, ctx.stop)
         settings = ctx.settings
-        servers = [gateway_server(create_app(gateway), settings.gateway_host, settings.gateway_port)]
+        servers = [gateway_server(create_app(gateway), settings.gateway_host, settings.gateway_port,
+                                  http=bounded_http(pool.gateway.max_connections, pool.gateway.header_timeout_s))]
         print(f"gateway {gateway.gateway_id} listening on http://{settings.gateway_host}:{settings.gateway_port}/v1",
               flush=True)
         tasks = []
@@ -62,12 +65,15 @@ async def _serve(ctx: ServiceContext, pool: PoolConfig) -> None:
             for server in servers:
                 server.should_exit = True
 
+        await ctx.telemetry_bus.subscribe_usage(gateway.quotas.hear)
         await asyncio.gather(*(s.serve() for s in servers), view.follow(ctx.nc, ctx.subjects, ctx.stop),
-                             gateway.publish_windows(ctx.stop), gateway.keep_sessions(ctx.stop), stop_servers(), *tasks)
+                             gateway.publish_windows(ctx.stop), gateway.keep_sessions(ctx.stop),
+                             gateway.follow_keys_file(ctx.stop),
+                             gateway.quotas.run(ctx.telemetry_bus.publish_usage, ctx.stop), stop_servers(), *tasks)
 
 
-def gateway_server(app: Starlette, host: str, port: int) -> uvicorn.Server:
-    return http_server(app, host, port, timeout_keep_alive=CLIENT_KEEPALIVE_S,
+def gateway_server(app: Starlette, host: str, port: int, **config: Any) -> uvicorn.Server:
+    return http_server(app, host, port, timeout_keep_alive=CLIENT_KEEPALIVE_S, **config,
                        # Held requests and long streams would otherwise keep a stopping gateway up for minutes.
                        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 

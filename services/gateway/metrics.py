@@ -46,6 +46,8 @@ class GatewayMetrics:
         self.retries: dict[tuple[str, str, str], int] = {}
         self.cold_starts: dict[str, int] = {}
         self.borrows: dict[str, int] = {}
+        self.unbound: dict[str, int] = {}
+        self.limited: dict[str, int] = {}
         self.demand_signals: dict[str, int] = {}
         self.session_moves: dict[tuple[str, str], int] = {}
         self.kv_moves: dict[tuple[str, str], int] = {}
@@ -77,6 +79,12 @@ class GatewayMetrics:
 
     def borrowed(self, alias: str) -> None:
         self.borrows[alias] = self.borrows.get(alias, 0) + 1
+
+    def session_unbound(self, alias: str) -> None:
+        self.unbound[alias] = self.unbound.get(alias, 0) + 1
+
+    def refused_by_limit(self, limit: str) -> None:
+        self.limited[limit] = self.limited.get(limit, 0) + 1
 
     def session_moved(self, alias: str, reason: str) -> None:
         key = (alias, reason)
@@ -117,6 +125,15 @@ class GatewayMetrics:
                "Requests of a tenant below its fair share of a saturated alias, sent past an instance's capacity.")
         for alias, n in sorted(self.borrows.items()):
             out.append(f"modelpool:slots_borrowed_total{{{_labels(alias=alias)}}} {n}")
+        family(out, "modelpool:sessions_unbound_total", "counter",
+               "New sessions served without a binding: their key had bound its sessions_per_minute.")
+        for alias, n in sorted(self.unbound.items()):
+            out.append(f"modelpool:sessions_unbound_total{{{_labels(alias=alias)}}} {n}")
+        family(out, "modelpool:key_limit_refusals_total", "counter",
+               "Requests refused at the front door by their key's limits (rpm, tpm, max_concurrent, aliases) or a "
+               "full queue before their body was read (queue).")
+        for limit, n in sorted(self.limited.items()):
+            out.append(f"modelpool:key_limit_refusals_total{{{_labels(limit=limit)}}} {n}")
         family(out, "modelpool:demand_signals_total", "counter", "Demand signals sent for requests waiting on a cold alias.")
         for alias, n in sorted(self.demand_signals.items()):
             out.append(f"modelpool:demand_signals_total{{{_labels(alias=alias)}}} {n}")

@@ -14,17 +14,20 @@ from services.gateway.access_log import access_log, log_access
 from services.gateway.admission import Admission
 from services.gateway.context import RequestContext
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.quotas import Quotas
 from services.gateway.routing import Router
 from services.gateway.sessions import Sessions
 from shared.metering import RequestOutcome
 
 
 class PostResponse:
-    def __init__(self, admission: Admission, router: Router, sessions: Sessions, metrics: GatewayMetrics) -> None:
+    def __init__(self, admission: Admission, router: Router, sessions: Sessions, metrics: GatewayMetrics,
+                 quotas: Quotas) -> None:
         self.admission = admission
         self.router = router
         self.sessions = sessions
         self.metrics = metrics
+        self.quotas = quotas
 
     def finish(self, ctx: RequestContext, outcome: RequestOutcome, status: int | None, span: Span | None) -> None:
         trace = ctx.trace
@@ -33,6 +36,8 @@ class PostResponse:
         self.metrics.request(ctx.alias, backend, outcome.value, status)
         if outcome is RequestOutcome.OK and trace.backend is not None:
             self.metrics.served(ctx.alias, backend, trace.ttft_s, trace.ended - trace.arrived, trace.tpot_s)
+        if ctx.quota is not None:
+            self.quotas.leave(ctx.quota, ctx.usage)
         slot, route = ctx.slot, ctx.route  # before the slot is given back
         if slot is not None:
             if ctx.usage is not None and outcome is RequestOutcome.OK:

@@ -1,7 +1,9 @@
 """Before a request is sent: its session bound to the instance it goes to, or moved there with its KV.
 
 Only for routers that bind sessions (affinity, EAR). A new session is
-bound to the slot's instance; a session the router moved (`Slot.moved_from`)
+bound to the slot's instance, unless its key has bound its `sessions_per_minute`
+already (then it is served unbound, and its next request placed anew: a flood
+of new session ids cannot grow the log without bound); a session the router moved (`Slot.moved_from`)
 brings its KV along from the old host where the router's `move_kv` and both
 engines allow (`kv_moves.py`), and the move is recorded with what it carried.
 The log records bindings behind the request (`sessions.py`): nothing here
@@ -16,6 +18,7 @@ import logging
 from services.gateway.context import RequestContext
 from services.gateway.kv_moves import KVMove, KVMover
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.quotas import Quotas
 from services.gateway.routing import Router, Slot
 from services.gateway.sessions import Sessions
 from shared.projections.live import LiveView
@@ -26,12 +29,13 @@ log = logging.getLogger(__name__)
 
 class PreRequest:
     def __init__(self, router: Router, sessions: Sessions, view: LiveView, mover: KVMover,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, quotas: Quotas) -> None:
         self.router = router
         self.sessions = sessions
         self.view = view
         self.mover = mover
         self.metrics = metrics
+        self.quotas = quotas
 
     async def prepare(self, ctx: RequestContext) -> None:
         slot = ctx.slot
@@ -47,7 +51,10 @@ class PreRequest:
             move = await self._move_kv(ctx, slot)
             self.sessions.migrate(session_id, ctx.alias, slot.moved_from, slot.instance_id, slot.reason, move.metrics())
         elif session_id not in self.sessions.bindings:
-            self.sessions.bind(session_id, ctx.alias, slot.instance_id)
+            if ctx.quota is None or self.quotas.may_bind(ctx.quota):
+                self.sessions.bind(session_id, ctx.alias, slot.instance_id)
+            else:
+                self.metrics.session_unbound(ctx.alias)
 
     async def _move_kv(self, ctx: RequestContext, slot: Slot) -> KVMove:
         config = self.router.router_config(ctx.alias)

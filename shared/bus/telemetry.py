@@ -10,7 +10,10 @@ Each kind travels the way its use asks for (docs/bus.md says why):
   (and a size cap) lets the controller take the newest window of every gateway
   and `modelpool history --plot` draw a day of load;
 - demand for a cold alias is an *interrupt*: a core NATS message, not stored,
-  sent again every second while requests wait.
+  sent again every second while requests wait;
+- the API keys' use is *gossip* between gateway replicas: each sends its last
+  minute every second as a core NATS message, not stored (a replica that
+  starts learns the others' within a second).
 
 Every message is a versioned contract in the usual envelope. One that does not
 parse goes to the dead-letter stream with its reason and is otherwise ignored.
@@ -51,6 +54,7 @@ from shared.contracts.telemetry import (
     ControlOutlook,
     DemandSignal,
     GatewayWindow,
+    UsageReport,
     TelemetryMessage,
     WorkerHeartbeat,
     telemetry_registry,
@@ -264,6 +268,19 @@ class TelemetryBus:
                 on_demand(demand)
 
         return await self.nc.subscribe(self.subjects.demand, cb=receive)
+
+    # ------------------------------------------------------------------ API keys' use
+
+    async def publish_usage(self, report: UsageReport) -> None:
+        await self.nc.publish(self.subjects.usage_of(report.gateway_id), self._encode(report))
+
+    async def subscribe_usage(self, on_report: Callable[[UsageReport], None]):
+        async def receive(msg: Msg) -> None:
+            report = await self._decode(msg.data, UsageReport, msg.subject)
+            if report is not None:
+                on_report(report)
+
+        return await self.nc.subscribe(self.subjects.all_usage, cb=receive)
 
     # ------------------------------------------------------------------ key-value helpers
 

@@ -207,6 +207,10 @@ GATEWAY_ENVIRONMENT = {
     "first_byte_timeout_s": "MODELPOOL_UPSTREAM_FIRST_BYTE_TIMEOUT_S",
     "api_keys": "MODELPOOL_API_KEYS",
     "api_keys_file": "MODELPOOL_API_KEYS_FILE",
+    "sessions_per_minute": "MODELPOOL_SESSIONS_PER_MINUTE",
+    "max_connections": "MODELPOOL_MAX_CONNECTIONS",
+    "header_timeout_s": "MODELPOOL_HEADER_TIMEOUT_S",
+    "body_timeout_s": "MODELPOOL_BODY_TIMEOUT_S",
 }
 
 
@@ -214,8 +218,9 @@ Priority = Literal["low", "normal", "high"]
 
 
 class TenantKey(BaseModel):
-    """An API key with the tenant it serves (docs/tenancy.md): the tenant's weight in the fair share of a
-    saturated alias, and its priority class in the alias's queue."""
+    """An API key with the tenant it serves and its limits (docs/tenancy.md): the tenant's weight in the fair share
+    of a saturated alias, its priority class in the alias's queue, and what the key may use per minute and at once.
+    A limit left out is no limit."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -223,6 +228,17 @@ class TenantKey(BaseModel):
     tenant: str = Field(min_length=1, max_length=64)
     weight: float = Field(default=1.0, gt=0)
     priority: Priority = "normal"
+    rpm: int | None = Field(default=None, ge=1)
+    """Requests per minute, over a sliding minute."""
+    tpm: int | None = Field(default=None, ge=1)
+    """Tokens per minute, prompt and completion, charged as they are consumed."""
+    max_concurrent: int | None = Field(default=None, ge=1)
+    """Requests of the key under way at once (waiting or served)."""
+    aliases: tuple[str, ...] = ()
+    """The aliases the key may use; none listed: every alias."""
+    sessions_per_minute: int | None = Field(default=None, ge=0)
+    """New sessions the key may bind per minute (each is a write to the log); unset: the gateway's
+    `sessions_per_minute`."""
 
     @field_validator("key")
     @classmethod
@@ -231,26 +247,42 @@ class TenantKey(BaseModel):
             raise ValueError("a key must be without whitespace")
         return key
 
+    @field_validator("aliases", mode="before")
+    @classmethod
+    def _split_aliases(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(alias for alias in value.split(",") if alias)
+        return value
+
     def __repr__(self) -> str:  # never the key itself
-        return f"TenantKey(tenant={self.tenant!r}, weight={self.weight}, priority={self.priority!r})"
+        return f"TenantKey(id={key_id(self.key)!r}, tenant={self.tenant!r})"
 
 
-def anonymous_tenant(key: str) -> str:
-    """The tenant of a key listed without one: named by a digest of the key (the key itself is never shown)."""
+def key_id(key: str) -> str:
+    """A key's name where the key itself must not appear (logs, metrics, the usage shared between gateways)."""
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
+def anonymous_tenant(key: str) -> str:
+    """The tenant of a key listed without one: named after the key's id."""
+    return key_id(key)
+
+
+KEY_FIELDS = ("tenant", "weight", "priority", "rpm", "tpm", "max_concurrent", "aliases", "sessions_per_minute")
+
+
 def parse_key_line(line: str, where: str) -> TenantKey | None:
-    """One line of a keys file: `KEY`, or `KEY tenant=NAME weight=W priority=low|normal|high`; None for a blank
-    or comment line."""
+    """One line of a keys file: `KEY`, or `KEY tenant=NAME weight=W priority=low|normal|high rpm=N tpm=N
+    max_concurrent=N aliases=A,B sessions_per_minute=N` (any of them); None for a blank or comment line."""
     words = line.split("#", 1)[0].split()
     if not words:
         return None
     key, fields = words[0], {}
     for word in words[1:]:
         name, sep, value = word.partition("=")
-        if not sep or name not in ("tenant", "weight", "priority"):
-            raise ConfigError("gateway.api_keys_file", f"{where}: {word!r} is not tenant=, weight= or priority=")
+        if not sep or name not in KEY_FIELDS:
+            raise ConfigError("gateway.api_keys_file", f"{where}: {word!r} is not one of {', '.join(KEY_FIELDS)} "
+                                                       "as NAME=VALUE")
         fields[name] = value
     try:
         return TenantKey(key=key, **{"tenant": anonymous_tenant(key), **fields})
@@ -294,12 +326,24 @@ class GatewayConfig(BaseModel):
     """A file of further keys, one per line, each optionally with its tenant, weight and priority
     (`KEY tenant=team-a weight=2 priority=high`; `#` starts a comment)."""
     tenant_keys: tuple[TenantKey, ...] = ()
-    """Keys with their tenants, weights and priorities (`{key, tenant, weight, priority}`)."""
+    """Keys with their tenants, weights, priorities and limits (`{key, tenant, weight, priority, rpm, tpm,
+    max_concurrent, aliases, sessions_per_minute}`)."""
     queue_order: Literal["fair", "fifo"] = "fair"
     """The order a saturated alias's waiters are served in: priority classes, then token-fair shares between
     tenants (`routing/fairness.py`), or arrival order alone."""
     priority_aging_s: float = Field(default=10.0, gt=0)
     """Every this long a request waits raises it one priority class: no class waits forever behind another."""
+    sessions_per_minute: int = Field(default=300, ge=0)
+    """New sessions each key (or the open endpoint) may bind per minute, unless its key says otherwise: a binding
+    is a write to the log, so a flood of new session ids must not grow it without bound. Past it, a request is
+    served, its session just not bound (its next request is placed anew)."""
+    max_connections: int = Field(default=4096, ge=1)
+    """Client connections the public endpoint keeps open at once; past it, a new one is answered 503 at once."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A client that has not sent a request's headers whole this long after connecting (or after its last
+    answer) is disconnected."""
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    """A request body not received whole this long after its headers is refused with 408."""
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -211,7 +211,40 @@ class ControlOutlook(TelemetryMessage):
     metrics: MetricWindow | None = None
 
 
-TELEMETRY: tuple[type[TelemetryMessage], ...] = (WorkerHeartbeat, GatewayWindow, DemandSignal, ControlOutlook)
+class KeyUsageSecond(BaseModel):
+    """What one API key used through one gateway in one wall-clock second."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    second: int
+    """Unix time, whole seconds."""
+    requests: int = Field(default=0, ge=0)
+    tokens: int = Field(default=0, ge=0)
+    sessions: int = Field(default=0, ge=0)
+    """New sessions bound."""
+
+
+class KeyUsage(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    in_flight: int = Field(default=0, ge=0)
+    seconds: list[KeyUsageSecond] = Field(default_factory=list)
+    """The last minute's, oldest first; seconds with nothing used are left out."""
+
+
+class UsageReport(TelemetryMessage):
+    """A gateway's use of each limited API key over the last minute, sent every second so that every replica
+    counts every replica's use against the keys' limits (`services/gateway/quotas.py`). Keys are named by their
+    ids, never themselves."""
+
+    TYPE = "UsageReport"
+    gateway_id: str
+    at: datetime
+    keys: dict[str, KeyUsage] = Field(default_factory=dict)
+
+
+TELEMETRY: tuple[type[TelemetryMessage], ...] = (WorkerHeartbeat, GatewayWindow, DemandSignal, ControlOutlook,
+                                                 UsageReport)
 
 
 def telemetry_registry() -> Registry:

@@ -19,6 +19,7 @@ from services.gateway.post_response import PostResponse
 from services.gateway.pre_request import PreRequest
 from services.gateway.prompts import read_prompt
 from services.gateway.proxy import Proxy
+from services.gateway.quotas import Quotas
 from services.gateway.routing import Ask
 from services.gateway.sessions import Sessions
 from shared.contracts.backends import BackendType
@@ -131,7 +132,7 @@ async def test_pre_request_binds_a_new_session_only_where_the_router_binds_sessi
     config = AliasConfig.model_validate({"alias": "tiny", "router": {"plugin": "affinity"}, "backends": {
         "llama.cpp": {"model_name": "tiny", "model_path": "default", "gpu_memory_gb": 0, "engine": "simulator"}}})
     admission, view, clock, _ = pool(row("f1", 2), config=config, sessions=sessions)
-    stage = PreRequest(admission.router, sessions, view, None, admission.metrics)  # type: ignore[arg-type]
+    stage = PreRequest(admission.router, sessions, view, None, admission.metrics, Quotas("g"))  # type: ignore[arg-type]
     ctx = context(admission, session="s1")
     await admission.place(ctx, ClientStream(Sent(), "r1", stream=False))
     assert ctx.slot is not None and ctx.slot.binds
@@ -141,13 +142,14 @@ async def test_pre_request_binds_a_new_session_only_where_the_router_binds_sessi
     plain, _, _, _ = pool(row("f1", 2))  # least-load binds nothing
     ctx = context(plain, session="s2")
     await plain.place(ctx, ClientStream(Sent(), "r2", stream=False))
-    await PreRequest(plain.router, sessions, view, None, plain.metrics).prepare(ctx)  # type: ignore[arg-type]
+    await PreRequest(plain.router, sessions, view, None, plain.metrics, Quotas("g")).prepare(ctx)  # type: ignore[arg-type]
     assert ctx.ask.prompt.session_id not in sessions.bindings
 
 
 async def test_post_response_gives_the_slot_back_counts_the_request_and_logs_one_line(caplog):
     admission, _, _, _ = pool(row("f1", 1))
-    stage = PostResponse(admission, admission.router, Sessions(MemoryEventStore(event_registry())), admission.metrics)
+    stage = PostResponse(admission, admission.router, Sessions(MemoryEventStore(event_registry())), admission.metrics,
+                         Quotas("g"))
     ctx = context(admission)
     await admission.place(ctx, ClientStream(Sent(), "r1", stream=False))
     ctx.trace.dispatched(ctx.slot.backend)  # type: ignore[union-attr]
