@@ -47,8 +47,8 @@ COPY . .
 # Editable, so the migrations and the pool files are found beside the code in /app.
 RUN pip install --no-deps --no-build-isolation -e . \
  && python3 -c 'import services.cli, services.gateway.app, services.autoscaler.main, lab.cli' \
- && install -d -o modelpool -g modelpool -m 0700 /credentials
-# /credentials: where compose's credentials volume is mounted (a new volume takes this owner and mode).
+ && install -d -o modelpool -g modelpool -m 0700 /credentials /db-credentials /db-admin-credentials
+# Where compose's credential volumes are mounted (a new volume takes this owner and mode).
 USER modelpool
 EXPOSE 8000
 # Every service writes whether it reaches Postgres and NATS to this file each second;

@@ -17,9 +17,12 @@ from shared.settings import Settings
 config = context.config
 settings = Settings.load(
     database_url=config.attributes.get("database_url"),
+    database_password_file=config.attributes.get("database_password_file"),
     namespace=config.attributes.get("namespace"),
 )
 SCHEMA = settings.namespace
+# The role migrations grant the services' privileges to (0006): the caller's, else MODELPOOL_DATABASE_SERVICE_ROLE.
+config.attributes.setdefault("service_role", settings.database_service_role)
 
 
 def run_in(connection) -> None:
@@ -36,7 +39,7 @@ def run_in(connection) -> None:
 
 
 async def run_online() -> None:
-    engine = create_async_engine(settings.sqlalchemy_url)
+    engine = create_async_engine(settings.sqlalchemy_url, connect_args=settings.database_connect_args)
     try:
         async with engine.begin() as connection:
             await connection.run_sync(run_in)

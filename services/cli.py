@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.cluster.up", "start the local cluster on the embedded default (or NATS_URL / DATABASE_URL)"),
     "migrate": ("services.ops.migrate", "apply the database migrations"),
     "credentials": ("services.ops.credentials", "make the cluster's credentials in a directory where absent (compose)"),
+    "database-roles": ("services.ops.database_roles", "create the owner and service logins, as Postgres' superuser"),
     "gateway": ("services.gateway.main", "run the gateway service"),
     "autoscaler": ("services.autoscaler.main", "run the autoscaler service"),
     "placement": ("services.placement.main", "run the placement service"),

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from shared.configuration import from_environment, layered
+from shared.eventlog.roles import ROLE_NAME
 from shared.internal_auth import load_secret
 
 # The namespace names the Postgres schema and prefixes every bus subject and
@@ -26,6 +27,8 @@ NAMESPACE = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 
 ENVIRONMENT = {
     "database_url": "DATABASE_URL",
+    "database_password_file": "MODELPOOL_DATABASE_PASSWORD_FILE",
+    "database_service_role": "MODELPOOL_DATABASE_SERVICE_ROLE",
     "nats_url": "NATS_URL",
     "stream_replicas": "MODELPOOL_STREAM_REPLICAS",
     "namespace": "MODELPOOL_NAMESPACE",
@@ -61,6 +64,13 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     database_url: str = "postgresql://127.0.0.1:5432/postgres"
+    database_password_file: str | None = None
+    """A file holding the password of the URL's user (compose's and Kubernetes' credentials, the embedded cluster's
+    `service-password`): read at each new connection, so a rotated password needs no restart. The URL itself then
+    carries none, and nothing that prints it can leak one."""
+    database_service_role: str | None = None
+    """The role migrations grant the services' privileges to (migration 0006): set where `modelpool migrate` runs
+    as the schema's owner and the services log in as another role."""
     nats_url: str = "nats://127.0.0.1:4222"
     """One server, or a cluster's servers comma-separated (the client fails over between them)."""
     stream_replicas: int = Field(default=1, ge=1, le=5)
@@ -138,6 +148,20 @@ class Settings(BaseModel):
             raise ValueError("must be a postgresql:// URL")
         return value
 
+    @field_validator("database_password_file")
+    @classmethod
+    def _readable_password(cls, value: str | None) -> str | None:
+        if value:
+            read_password(value)  # said at start, by its setting, rather than at the first connection
+        return value
+
+    @field_validator("database_service_role")
+    @classmethod
+    def _role_name(cls, value: str | None) -> str | None:
+        if value and not ROLE_NAME.match(value):
+            raise ValueError(f"must match {ROLE_NAME.pattern}")
+        return value or None
+
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, *, discover: bool = False, **explicit: Any) -> "Settings":
         """Defaults, then (with `discover`) the local cluster's file, then the environment, then `explicit`."""
@@ -152,6 +176,19 @@ class Settings(BaseModel):
         value = self.cluster_secret.get_secret_value() if self.cluster_secret else None
         return load_secret(value, self.cluster_secret_file)
 
+    def __repr_args__(self) -> Any:
+        # A settings object shows up in tracebacks and test reports: never with a password in its URL.
+        for name, value in super().__repr_args__():
+            yield name, redact_url(value) if name == "database_url" and isinstance(value, str) else value
+
+    @property
+    def database_connect_args(self) -> dict[str, Any]:
+        """asyncpg's `connect()` arguments beyond the URL: the password, read from its file at each connection."""
+        if not self.database_password_file:
+            return {}
+        path = self.database_password_file
+        return {"password": lambda: read_password(path)}
+
     @property
     def asyncpg_dsn(self) -> str:
         """The URL as asyncpg wants it (no SQLAlchemy driver suffix)."""
@@ -160,6 +197,27 @@ class Settings(BaseModel):
     @property
     def sqlalchemy_url(self) -> str:
         return re.sub(r"^postgres(ql)?(\+asyncpg)?://", "postgresql+asyncpg://", self.database_url)
+
+
+def redact_url(url: str) -> str:
+    """A URL fit for printing: any password replaced by ***."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, location = rest.rpartition("@")
+    if not (sep and at) or ":" not in credentials:
+        return url
+    return f"{scheme}://{credentials.split(':', 1)[0]}:***@{location}"
+
+
+def read_password(path: str) -> str:
+    """The password in the file at `path` (surrounding whitespace dropped); ValueError naming the file if it cannot
+    be read or is empty (the settings' error names the setting it came from)."""
+    try:
+        password = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    if not password:
+        raise ValueError(f"{path} is empty")
+    return password
 
 
 # --------------------------------------------------------------------------- the local cluster
@@ -183,4 +241,5 @@ def local_cluster(environ: Mapping[str, str]) -> dict[str, str]:
         os.kill(int(found["pid"]), 0)  # still running?
     except (OSError, ValueError, KeyError, TypeError):
         return {}
-    return {key: found[key] for key in ("database_url", "nats_url", "namespace", "gateway") if found.get(key)}
+    return {key: found[key] for key in ("database_url", "database_password_file", "nats_url", "namespace", "gateway")
+            if found.get(key)}

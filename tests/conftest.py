@@ -84,7 +84,12 @@ def _start_embedded(stack: ExitStack, need_pg: bool, need_nats: bool) -> tuple[s
     root = tempfile.mkdtemp(prefix="modelpool-test-servers-")
     pg = stack.enter_context(EmbeddedPostgres(os.path.join(root, "pg"))) if need_pg else None
     nats_server = stack.enter_context(EmbeddedNats(os.path.join(root, "nats"))) if need_nats else None
-    return (pg.url if pg else None), (nats_server.url if nats_server else None)
+    if pg is None:
+        return None, (nats_server.url if nats_server else None)
+    # The tests make and drop schemas: they log in as the superuser, whose password every client (this process's
+    # and the processes it starts) finds in the cluster's pgpass file, as libpq's do.
+    os.environ["PGPASSFILE"] = str(pg.pgpass)
+    return pg.url_for(pg.database, pg.superuser), (nats_server.url if nats_server else None)
 
 
 def _start_containers(stack: ExitStack, need_pg: bool, need_nats: bool) -> tuple[str | None, str | None]:

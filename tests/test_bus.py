@@ -35,7 +35,8 @@ async def test_relay_publishes_committed_events_once_in_order(store, bus, settin
     stored = []
     for n in range(20):
         stored += await store.append(f"session:s{n}", [session_event(n)])
-    relay = Relay(store, bus.js, bus.subjects, telemetry, listen_dsn=settings.asyncpg_dsn, schema=settings.namespace)
+    relay = Relay(store, bus.js, bus.subjects, telemetry, listen_dsn=settings.asyncpg_dsn,
+                  listen_args=settings.database_connect_args, schema=settings.namespace)
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
     await eventually(lambda: (relay.position == stored[-1].position))
@@ -47,8 +48,10 @@ async def test_relay_publishes_committed_events_once_in_order(store, bus, settin
 
     # Run the same tail again from scratch, as a relay restarted before saving its position would:
     # JetStream drops the repeats by Nats-Msg-Id.
-    relay2 = Relay(store, bus.js, bus.subjects, telemetry, listen_dsn=settings.asyncpg_dsn, schema=settings.namespace)
-    conn = await asyncpg.connect(settings.asyncpg_dsn, server_settings={"search_path": settings.namespace})
+    relay2 = Relay(store, bus.js, bus.subjects, telemetry, listen_dsn=settings.asyncpg_dsn,
+                   listen_args=settings.database_connect_args, schema=settings.namespace)
+    conn = await asyncpg.connect(settings.asyncpg_dsn, server_settings={"search_path": settings.namespace},
+                                 **settings.database_connect_args)
     assert await relay2.relay_once(conn) == 21
     await conn.close()
 

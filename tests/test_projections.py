@@ -207,7 +207,8 @@ async def test_a_service_loads_the_projection_then_follows_the_log(store, bus, s
     assert view[ROUTING][ALIAS].state is R.MIXED and set(view[INSTANCES]) == {"f1", "v1"}
 
     stop = asyncio.Event()
-    relay = Relay(store, bus.js, bus.subjects, Telemetry("t"), listen_dsn=settings.asyncpg_dsn, schema=settings.namespace,
+    relay = Relay(store, bus.js, bus.subjects, Telemetry("t"), listen_dsn=settings.asyncpg_dsn,
+                  listen_args=settings.database_connect_args, schema=settings.namespace,
                   poll_interval_s=0.2)
     tasks = [asyncio.create_task(relay.run(stop)), asyncio.create_task(view.follow(bus.nc, bus.subjects, stop, poll_interval_s=30))]
     await store.append(f"alias:{ALIAS}", [Envelope.wrap(RoutingStateChanged(

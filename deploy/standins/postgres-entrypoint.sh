@@ -1,8 +1,14 @@
 #!/bin/sh
 # The part of the official postgres image's entrypoint modelpool relies on: an empty data directory is
-# initialised with POSTGRES_USER (superuser, password POSTGRES_PASSWORD) and POSTGRES_DB, reachable over
-# the network with a password; then the server runs as `postgres`.
+# initialised with POSTGRES_USER (superuser, password POSTGRES_PASSWORD, or the file POSTGRES_PASSWORD_FILE
+# names, read as root before the switch to `postgres`, as the official image does) and POSTGRES_DB,
+# reachable over the network with a password; then the server runs as `postgres`.
 set -eu
+if [ -n "${POSTGRES_PASSWORD_FILE:-}" ]; then
+    POSTGRES_PASSWORD=$(cat "$POSTGRES_PASSWORD_FILE")
+    export POSTGRES_PASSWORD
+    unset POSTGRES_PASSWORD_FILE
+fi
 if [ "$(id -u)" = 0 ]; then
     mkdir -p "$PGDATA" /var/run/postgresql
     chown -R postgres:postgres "$PGDATA" /var/run/postgresql

@@ -20,7 +20,8 @@ async def serve(ctx: ServiceContext, config: PoolConfig) -> None:
     controller = Controller(
         store=ctx.store, engine=ctx.engine, js=ctx.js, subjects=ctx.subjects, telemetry=ctx.telemetry,
         telemetry_bus=ctx.telemetry_bus,
-        lease=AdvisoryLease(settings.asyncpg_dsn, settings.namespace, "autoscaler"),
+        lease=AdvisoryLease(settings.asyncpg_dsn, settings.namespace, "autoscaler",
+                            connect_args=settings.database_connect_args),
         pool=config, tick_s=config.controller.tick_s, worker_timeout_s=config.controller.worker_timeout_s,
         bus_up_for_s=ctx.links.nats.up_for_s,
     )

@@ -79,7 +79,21 @@ class OwnServers:
         self.postgres = EmbeddedPostgres(workdir / "postgres", free_port(), die_with_parent=False)
         # Known before the servers start: a service may be started first, and must wait for them.
         self.nats_url = f"nats://127.0.0.1:{self.nats.requested_port}"
-        self.database_url = f"postgresql://postgres@127.0.0.1:{self.postgres.requested_port}/{self.postgres.database}"
+        self.database_url = self.postgres.url
+        """The service role's, as every service logs in (its password in `database_env`'s file)."""
+
+    @property
+    def database_env(self) -> dict[str, str]:
+        """What a service's environment needs to log in to Postgres (the password file exists once it started)."""
+        return {"DATABASE_URL": self.database_url,
+                "MODELPOOL_DATABASE_PASSWORD_FILE": str(self.postgres.service.password_file)}
+
+    @property
+    def owner_env(self) -> dict[str, str]:
+        """What `modelpool migrate` runs with: the schema's owner, granting the service role its privileges."""
+        return {"DATABASE_URL": self.postgres.owner_url,
+                "MODELPOOL_DATABASE_PASSWORD_FILE": str(self.postgres.owner.password_file),
+                "MODELPOOL_DATABASE_SERVICE_ROLE": self.postgres.service.user}
 
     def start(self) -> "OwnServers":
         self.nats.start()
@@ -259,7 +273,7 @@ class ChaosPool:
     @property
     def command_env(self) -> dict[str, str]:
         """The environment an operator command (`modelpool replay`, ...) needs to find this pool."""
-        return {**os.environ, "DATABASE_URL": self.servers.database_url, "NATS_URL": self.servers.nats_url,
+        return {**os.environ, **self.servers.database_env, "NATS_URL": self.servers.nats_url,
                 "MODELPOOL_NAMESPACE": self.namespace}
 
     async def __aenter__(self) -> "ChaosPool":
@@ -268,12 +282,12 @@ class ChaosPool:
 
     def _start(self) -> None:
         self.servers.start()
-        migrated = subprocess.run([sys.executable, "-m", "services.cli", "migrate"], env=self.command_env,
-                                  capture_output=True, text=True)
+        migrated = subprocess.run([sys.executable, "-m", "services.cli", "migrate"],
+                                  env={**self.command_env, **self.servers.owner_env}, capture_output=True, text=True)
         if migrated.returncode != 0:
             raise RuntimeError(f"migrations failed: {migrated.stderr[-2000:]}")
         self.pool = LocalPool(self.servers.database_url, self.servers.nats_url, self.namespace, self.pool_yaml,
-                              self.workdir / "pool", workers=self.workers, env=self.env)
+                              self.workdir / "pool", workers=self.workers, env={**self.servers.database_env, **self.env})
         self.pool.start()
         self.gateway_ports = [self.pool.port]
         for _ in range(self.replicas - 1):
@@ -305,6 +319,7 @@ class ChaosPool:
         for attempt in itertools.count():
             try:
                 conn = await asyncpg.connect(self.servers.database_url, timeout=5,
+                                             password=self.servers.postgres.service.password,
                                              server_settings={"search_path": self.namespace})
                 try:
                     return await conn.fetch(query, *args)

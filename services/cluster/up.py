@@ -1,7 +1,8 @@
 """`modelpool up`: the whole local cluster in one command.
 
 Uses the NATS and Postgres servers named by `NATS_URL` / `DATABASE_URL`, or
-starts embedded ones under the data directory; applies the migrations; starts
+starts embedded ones under the data directory; applies the migrations (on the
+embedded Postgres as the schema's owner); starts
 every service as a child process with its output prefixed by its name; and on
 Ctrl-C or SIGTERM stops the services (SIGTERM, then SIGKILL after the stop
 timeout), then the embedded servers, and exits 0 with nothing left running.
@@ -41,6 +42,7 @@ from services.cluster.supervisor import (
 from services.processes import RUN_MARKER, is_alive, processes_with_marker
 from services.ops.credentials import CLUSTER_SECRET_FILE
 from shared.internal_auth import SECRET_ENV, SECRET_FILE_ENV, make_secret_file
+from shared.settings import redact_url
 
 # Start order: the relay first so no committed event waits for a bus
 # publisher, then the projector that keeps the read models; the gateway last
@@ -193,15 +195,6 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def redact(url: str) -> str:
-    """A URL fit for printing: any password replaced by ***."""
-    scheme, sep, rest = url.partition("://")
-    credentials, at, location = rest.rpartition("@")
-    if not (sep and at) or ":" not in credentials:
-        return url
-    return f"{scheme}://{credentials.split(':', 1)[0]}:***@{location}"
-
-
 @dataclass
 class BackingServers:
     """Where the cluster's NATS and Postgres are, and those of them `up` started (and watches)."""
@@ -211,6 +204,10 @@ class BackingServers:
     nats_origin: str
     postgres_origin: str
     embedded: list[WatchedServer]
+    database_env: dict[str, str]
+    """What the services' environment adds to reach the database: the service role's password file."""
+    migrate_env: dict[str, str]
+    """What the migrations' environment adds: the owner's URL and password file, the role to grant to."""
 
 
 @contextlib.contextmanager
@@ -225,17 +222,25 @@ def backing_servers(args: argparse.Namespace, env: dict[str, str], output: Outpu
             output.line("up", f"starting NATS JetStream (data in {data_dir / 'nats'})")
             nats = stack.enter_context(EmbeddedNats(data_dir / "nats", args.nats_port))
             nats_url, nats_origin = nats.url, f"embedded, pid {nats.pid}, log {nats.log_path}"
-            embedded.append(WatchedServer("NATS", nats, redact(nats.url)))
+            embedded.append(WatchedServer("NATS", nats, redact_url(nats.url)))
+        database_env: dict[str, str] = {}
+        migrate_env: dict[str, str] = {}
         if env.get("DATABASE_URL"):
             database_url, pg_origin = env["DATABASE_URL"], "external (DATABASE_URL)"
         else:
             output.line("up", f"starting PostgreSQL 16 (data in {data_dir / 'postgres'})")
             postgres = stack.enter_context(EmbeddedPostgres(data_dir / "postgres", args.postgres_port))
             database_url, pg_origin = postgres.url, f"embedded, pid {postgres.pid}, log {postgres.log_path}"
-            embedded.append(WatchedServer("Postgres", postgres, redact(postgres.url)))
+            embedded.append(WatchedServer("Postgres", postgres, redact_url(postgres.url)))
+            # Services log in as the service role, which may append to the log but not alter it; the
+            # migrations as the owner of the schema, granting the service role what it needs.
+            database_env = {"MODELPOOL_DATABASE_PASSWORD_FILE": str(postgres.service.password_file)}
+            migrate_env = {"DATABASE_URL": postgres.owner_url,
+                           "MODELPOOL_DATABASE_PASSWORD_FILE": str(postgres.owner.password_file),
+                           "MODELPOOL_DATABASE_SERVICE_ROLE": postgres.service.user}
         if embedded:
             stack.callback(output.line, "up", "stopping the embedded servers")
-        yield BackingServers(nats_url, database_url, nats_origin, pg_origin, embedded)
+        yield BackingServers(nats_url, database_url, nats_origin, pg_origin, embedded, database_env, migrate_env)
 
 
 def engine_lines(env: dict[str, str]) -> list[str]:
@@ -268,8 +273,8 @@ def banner(args: argparse.Namespace, servers: BackingServers, env: dict[str, str
     lines = [
         "modelpool is starting:",
         f"  gateway   {gateway}   (OpenAI-compatible; health at http://{LOCALHOST}:{args.gateway_port}/health)",
-        f"  NATS      {redact(servers.nats_url)}   ({servers.nats_origin})",
-        f"  Postgres  {redact(servers.database_url)}   ({servers.postgres_origin})",
+        f"  NATS      {redact_url(servers.nats_url)}   ({servers.nats_origin})",
+        f"  Postgres  {redact_url(servers.database_url)}   ({servers.postgres_origin})",
         f"  services  {', '.join(args.services)}",
         *(f"  {line}" for line in engine_lines(env)),
         f"  worker    offers {env['MODELPOOL_WORKER_GPU_MEMORY_GB']} GB of GPU memory"
@@ -299,7 +304,8 @@ def announce_cluster(directory: Path, env: dict[str, str]) -> Path:
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(json.dumps({
-            "pid": os.getpid(), "database_url": env["DATABASE_URL"], "nats_url": env["NATS_URL"],
+            "pid": os.getpid(), "database_url": env["DATABASE_URL"],
+            "database_password_file": env.get("MODELPOOL_DATABASE_PASSWORD_FILE"), "nats_url": env["NATS_URL"],
             "namespace": env.get("MODELPOOL_NAMESPACE") or "modelpool",
             "gateway": f"http://{LOCALHOST}:{env['MODELPOOL_GATEWAY_PORT']}/v1",
         }, indent=2) + "\n")
@@ -336,6 +342,7 @@ def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> 
             env.update({
                 "NATS_URL": servers.nats_url,
                 "DATABASE_URL": servers.database_url,
+                **servers.database_env,
                 "MODELPOOL_GATEWAY_PORT": str(args.gateway_port),
                 "PYTHONUNBUFFERED": "1",
                 key: value,
@@ -362,7 +369,7 @@ def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> 
             cluster_file = announce_cluster(args.data_dir, env)
             try:
                 output.line("up", "applying migrations")
-                migrated = run_once("migrate", env, output, children)
+                migrated = run_once("migrate", {**env, **servers.migrate_env}, output, children)
                 if migrated != 0:
                     output.line("up", f"migrations failed with code {migrated}; stopping")
                     return 1

@@ -3,11 +3,13 @@
 With `--verify-decisions [ALIAS]` it re-runs every recorded decision through the
 policy code instead (services/ops/verify.py) and reports each that differs.
 
-The rebuild goes into a scratch schema created by the same migrations, up to the
-position the live projections say they are at, and is read back through the same
-code as the live rows, so equal means equal. Any difference is printed and the
-command exits 1: a live row was changed behind the log's back, or a projection
-lost an event.
+The rebuild goes, up to the position the live projections say they are at, into
+temporary copies of the live tables (the same columns, types and keys, in the
+session's own temporary schema, gone when it ends), and is read back through the
+same code as the live rows, so equal means equal. Temporary tables need no
+right to create anything in the database: the service role runs a replay too.
+Any difference is printed and the command exits 1: a live row was changed
+behind the log's back, or a projection lost an event.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import secrets
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 from sqlalchemy import text
 
 from shared.contracts.events import event_registry
-from shared.eventlog.db import create_engine, migrate_async
+from shared.eventlog.db import create_engine
 from shared.eventlog.store import make_store
 from shared.projections.projector import load_position, load_rows, rebuild, write_all
 from shared.projections.readmodels import ALL_PROJECTIONS, Projection, Rows
@@ -76,10 +77,11 @@ def compare(projection: Projection, live: Rows, rebuilt: Rows) -> list[Differenc
     return out
 
 
-async def replay(settings: Settings, *, keep_scratch: bool = False) -> ReplayReport:
+SCRATCH_TABLES = ("tracking", *(p.table for p in ALL_PROJECTIONS))
+
+
+async def replay(settings: Settings) -> ReplayReport:
     live_engine = create_engine(settings, pool_size=2)
-    scratch = f"{settings.namespace[:36]}_replay_{secrets.token_hex(4)}"
-    scratch_engine = create_engine(settings, schema=scratch, pool_size=2)
     store = make_store(live_engine, event_registry(), settings.namespace)
     try:
         # One snapshot of the live side: positions and rows as of the same instant.
@@ -92,26 +94,29 @@ async def replay(settings: Settings, *, keep_scratch: bool = False) -> ReplayRep
                 live[p.name] = await load_rows(conn, p)
             await conn.rollback()
 
-        await migrate_async(settings, scratch)
         differences: list[Difference] = []
         events_read = 0
         rows_count: dict[str, int] = {}
-        for position in sorted(set(positions.values())):
-            group = [p for p in ALL_PROJECTIONS if positions[p.name] == position]
-            rebuilt, _, count = await rebuild(store, group, upto=position)
-            events_read = max(events_read, count)
-            await write_all(scratch_engine, group, rebuilt, position)
-            async with scratch_engine.connect() as conn:
+        # One session holds the scratch tables: a temporary table of the live one's name comes first in its
+        # search path, so the projector's own statements write and read the copies, not the live tables.
+        async with live_engine.connect() as scratch:
+            for table in SCRATCH_TABLES:
+                await scratch.execute(text(f'CREATE TEMPORARY TABLE {table} (LIKE "{settings.namespace}".{table} '
+                                           "INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES)"))
+            await scratch.commit()
+            for position in sorted(set(positions.values())):
+                group = [p for p in ALL_PROJECTIONS if positions[p.name] == position]
+                rebuilt, _, count = await rebuild(store, group, upto=position)
+                events_read = max(events_read, count)
+                await write_all(scratch, group, rebuilt, position)
+                await scratch.commit()
                 for p in group:
-                    reread = await load_rows(conn, p)
+                    reread = await load_rows(scratch, p)
                     rows_count[p.name] = len(reread)
                     differences += compare(p, live[p.name], reread)
+            await scratch.rollback()
         return ReplayReport(positions, events_read, rows_count, differences)
     finally:
-        await scratch_engine.dispose()
-        if not keep_scratch:
-            async with live_engine.begin() as conn:
-                await conn.execute(text(f'DROP SCHEMA IF EXISTS "{scratch}" CASCADE'))
         await live_engine.dispose()
 
 
@@ -140,14 +145,13 @@ def main_verify(settings: Settings, alias: str | None, as_json: bool) -> int:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="modelpool replay", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--keep-scratch", action="store_true", help="leave the scratch schema for inspection")
     parser.add_argument("--verify-decisions", nargs="?", const="", metavar="ALIAS", default=None,
                         help="re-run every recorded decision (of ALIAS, or all) through the policy code; exit 1 on any difference")
     args = parser.parse_args(argv)
     settings = Settings.load(discover=True)
     if args.verify_decisions is not None:
         return main_verify(settings, args.verify_decisions or None, args.json)
-    report = asyncio.run(replay(settings, keep_scratch=args.keep_scratch))
+    report = asyncio.run(replay(settings))
     if args.json:
         print(
             json.dumps(

@@ -13,6 +13,7 @@ async def serve(ctx: ServiceContext) -> None:
         ctx.subjects,
         ctx.telemetry,
         listen_dsn=ctx.settings.asyncpg_dsn,
+        listen_args=ctx.settings.database_connect_args,
         schema=ctx.settings.namespace,
     )
     ctx.metrics.add("modelpool_relay_position", "The log position up to which events are published on the bus",

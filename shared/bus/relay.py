@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import asyncpg
 from nats.js import JetStreamContext
@@ -37,6 +39,7 @@ class Relay:
         telemetry: Telemetry,
         *,
         listen_dsn: str,
+        listen_args: Mapping[str, Any] | None = None,
         schema: str,
         batch: int = 500,
         poll_interval_s: float = 1.0,
@@ -47,6 +50,8 @@ class Relay:
         self.subjects = subjects
         self.telemetry = telemetry
         self.listen_dsn = listen_dsn
+        self.listen_args = dict(listen_args or {})
+        """asyncpg's `connect()` arguments beyond the DSN (`Settings.database_connect_args`: the password)."""
         self.schema = schema
         self.batch = batch
         self.poll_interval_s = poll_interval_s
@@ -79,7 +84,8 @@ class Relay:
         outage = Outage("the relay's Postgres session", log)
         while not stop.is_set():
             try:
-                conn = await asyncpg.connect(self.listen_dsn, server_settings={"search_path": self.schema}, timeout=5)
+                conn = await asyncpg.connect(self.listen_dsn, server_settings={"search_path": self.schema}, timeout=5,
+                                             **self.listen_args)
             except Exception as exc:
                 if not is_transient(exc):
                     raise

@@ -31,6 +31,7 @@ def create_engine(settings: Settings, *, schema: str | None = None, pool_size: i
         connect_args={
             # A server that does not answer (stopped, cut off) fails a connection in seconds, not asyncpg's 60.
             "timeout": 10,
+            **settings.database_connect_args,
             "server_settings": {
                 "search_path": schema or settings.namespace,
                 # asyncpg prepares every statement; after a few runs Postgres may switch
@@ -48,7 +49,9 @@ def alembic_config(settings: Settings, schema: str | None = None) -> "Config":
     config = Config(str(PROJECT_ROOT / "alembic.ini"))
     config.set_main_option("script_location", str(PROJECT_ROOT / "migrations"))
     config.attributes["database_url"] = settings.database_url
+    config.attributes["database_password_file"] = settings.database_password_file
     config.attributes["namespace"] = schema or settings.namespace
+    config.attributes["service_role"] = settings.database_service_role
     return config
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import asyncpg
 
@@ -20,8 +22,11 @@ log = logging.getLogger(__name__)
 
 
 class AdvisoryLease:
-    def __init__(self, dsn: str, schema: str, name: str, *, retry_s: float = 0.5, check_timeout_s: float = 2.0) -> None:
+    def __init__(self, dsn: str, schema: str, name: str, *, retry_s: float = 0.5, check_timeout_s: float = 2.0,
+                 connect_args: Mapping[str, Any] | None = None) -> None:
         self.dsn = dsn
+        self.connect_args = dict(connect_args or {})
+        """asyncpg's `connect()` arguments beyond the DSN (`Settings.database_connect_args`: the password)."""
         self.schema = schema
         self.key = f"{schema}.{name}"
         self.retry_s = retry_s
@@ -35,7 +40,7 @@ class AdvisoryLease:
         while not stop.is_set():
             try:
                 if self._conn is None or self._conn.is_closed():
-                    self._conn = await asyncpg.connect(self.dsn, timeout=5)
+                    self._conn = await asyncpg.connect(self.dsn, timeout=5, **self.connect_args)
                 if await self._conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", self.key):
                     outage.succeeded()
                     return True

@@ -125,8 +125,11 @@ class PostgresEventStore(EventStore):
         # held to commit, so positions become visible in increasing order.
         # A rolled-back writer leaves a hole that is never filled, which a
         # reader may safely skip. The cost is that writers are serial; the
-        # group commit above amortises it.
-        await raw.execute("LOCK TABLE events IN EXCLUSIVE MODE")
+        # group commit above amortises it. Services may not lock the table
+        # themselves (that takes UPDATE or DELETE rights on the log, which they
+        # do not have): the owner's `events_lock_for_append()` takes the lock
+        # for them (migration 0006).
+        await raw.execute("SELECT events_lock_for_append()")
         known, heads_json = await raw.fetchrow(
             "SELECT (SELECT coalesce(array_agg(id), '{}') FROM events WHERE id = ANY($1::uuid[])),"
             " (SELECT coalesce(json_object_agg(stream_id, head), '{}')::text FROM"

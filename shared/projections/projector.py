@@ -156,11 +156,10 @@ async def rebuild(store: EventStore, projections: Sequence[Projection] = ALL_PRO
     return rows, last, count
 
 
-async def write_all(engine: AsyncEngine, projections: Sequence[Projection], rows: dict[str, Rows], position: int) -> None:
-    """Replace the tables of `projections` with `rows`, recording `position` — one transaction."""
-    async with engine.begin() as conn:
-        raw = await _raw(conn)
-        for p in projections:
-            await raw.execute(f"DELETE FROM {p.table}")
-            await write_rows(conn, p, rows[p.name], list(rows[p.name]))
-            await save_position(conn, p.name, position)
+async def write_all(conn: AsyncConnection, projections: Sequence[Projection], rows: dict[str, Rows], position: int) -> None:
+    """Replace the tables of `projections` with `rows`, recording `position`, in `conn`'s transaction."""
+    raw = await _raw(conn)
+    for p in projections:
+        await raw.execute(f"DELETE FROM {p.table}")
+        await write_rows(conn, p, rows[p.name], list(rows[p.name]))
+        await save_position(conn, p.name, position)

@@ -81,9 +81,10 @@ async def test_a_cold_start_asked_for_while_postgres_is_away_completes_soon_afte
 
 async def test_a_service_started_before_its_servers_waits_for_them(tmp_path):
     servers = OwnServers(tmp_path / "servers")
-    env = {**os.environ, "DATABASE_URL": servers.database_url, "NATS_URL": servers.nats_url, "MODELPOOL_NAMESPACE": "early"}
+    env = {**os.environ, **servers.database_env, "NATS_URL": servers.nats_url, "MODELPOOL_NAMESPACE": "early"}
     await asyncio.to_thread(servers.postgres.start)  # the schema first (as `modelpool up` and compose do) ...
-    migrated = subprocess.run([sys.executable, "-m", "services.cli", "migrate"], env=env, capture_output=True)
+    migrated = subprocess.run([sys.executable, "-m", "services.cli", "migrate"], env={**env, **servers.owner_env},
+                              capture_output=True)
     assert migrated.returncode == 0, migrated.stderr
     servers.postgres.stop()  # ... then neither server is there when the service starts
     log = tmp_path / "relay.log"

@@ -179,7 +179,7 @@ class Cluster:
     # ------------------------------------------------------------------ reading what happened
 
     def sql(self, query: str) -> list[list[str]]:
-        done = self.compose("exec", "-T", "postgres", "psql", "-U", "modelpool", "-d", "modelpool", "-At", "-F",
+        done = self.compose("exec", "-T", "postgres", "psql", "-U", "postgres", "-d", "modelpool", "-At", "-F",
                             "\t", "-c", query, timeout_s=60)
         return [line.split("\t") for line in done.stdout.splitlines() if line]
 

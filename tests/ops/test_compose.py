@@ -40,7 +40,8 @@ def test_the_compose_file_names_the_official_images_behind_variables() -> None:
     assert "ARG PYTHON_IMAGE=python:3.11-slim" in (REPO / "Dockerfile").read_text()
     assert services["prometheus"]["image"] == "${PROMETHEUS_IMAGE:-prom/prometheus:v2.53.0}"
     assert services["prometheus"]["profiles"] == ["observability"]  # only when asked for
-    ours = [name for name in services if name not in ("nats", "postgres", "migrate", "prometheus", "credentials")]
+    ours = [name for name in services
+            if name not in ("nats", "postgres", "migrate", "prometheus", "credentials", "database-roles")]
     assert sorted(ours) == sorted(SERVICES)
     # The cluster secret: made once in its volume, which only the gateway and the worker mount.
     assert services["credentials"]["command"] == ["modelpool", "credentials", "/credentials"]
@@ -48,6 +49,16 @@ def test_the_compose_file_names_the_official_images_behind_variables() -> None:
     assert holders == {"credentials", "gateway", "worker"}
     for name in ("gateway", "worker"):
         assert services[name]["environment"]["MODELPOOL_CLUSTER_SECRET_FILE"] == "/credentials/cluster-secret"
+    # Postgres' passwords: the superuser's and the owner's only where the database is set up and migrated, the
+    # service role's (no URL carries one) in every service.
+    admins = {name for name, s in services.items()
+              if any(v.startswith("db-admin-credentials:") for v in s.get("volumes", []))}
+    assert admins == {"credentials", "postgres", "database-roles", "migrate"}
+    assert services["migrate"]["environment"]["DATABASE_URL"] == "postgresql://modelpool_owner@postgres:5432/modelpool"
+    for name in ours:
+        env = services[name]["environment"]
+        assert env["DATABASE_URL"] == "postgresql://modelpool_service@postgres:5432/modelpool", name
+        assert env["MODELPOOL_DATABASE_PASSWORD_FILE"] == "/db-credentials/service-password", name
     # Every service serves its own /metrics on the compose network, where Prometheus scrapes each of them.
     scraped = yaml.safe_load((REPO / "deploy" / "prometheus" / "compose.yml").read_text())["scrape_configs"]
     targets = {t for job in scraped for group in job["static_configs"] for t in group["targets"]}

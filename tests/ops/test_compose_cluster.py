@@ -63,13 +63,17 @@ def test_the_cluster_file_names_the_official_images_and_every_server_of_the_nats
     assert services["lb"]["image"] == "${HAPROXY_IMAGE:-haproxy:2.8-alpine}"
     assert services["migrate"]["build"]["args"]["PYTHON_IMAGE"] == "${PYTHON_IMAGE:-python:3.11-slim}"
     modelpool = {name: s for name, s in services.items()
-                 if s.get("image") == "modelpool:local" and name != "credentials"}
+                 if s.get("image") == "modelpool:local" and name not in ("credentials", "database-roles")}
     assert len(modelpool) == 11  # migrate, relay, projector, placement, 2 autoscalers, 3 workers, 2 gateways
     # The cluster secret: made once in its volume, which only the gateways and the workers mount.
     holders = {name for name, s in modelpool.items() if any(v.startswith("credentials:") for v in s.get("volumes", []))}
     assert holders == {"gateway-1", "gateway-2", "worker-1", "worker-2", "worker-3"}
+    # Postgres: the migrations as the schema's owner, every service as the service role, passwords from files.
     for name, service in modelpool.items():
         env = service["environment"]
+        role = "modelpool_owner" if name == "migrate" else "modelpool_service"
+        assert env["DATABASE_URL"] == f"postgresql://{role}@postgres:5432/modelpool", name
+        assert env["MODELPOOL_DATABASE_PASSWORD_FILE"].endswith(("/owner-password", "/service-password")), name
         assert env["NATS_URL"].split(",") == [f"nats://{n}:4222" for n in NATS_SERVERS], name
         assert env["MODELPOOL_STREAM_REPLICAS"] == "3", name
         if name.startswith("worker-"):

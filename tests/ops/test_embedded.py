@@ -73,7 +73,8 @@ async def test_nats_accepts_a_jetstream_publish_and_keeps_it_across_restarts(dat
 async def test_postgres_accepts_queries_runs_unprivileged_and_keeps_data(data_dir: Path) -> None:
     server = EmbeddedPostgres(data_dir / "postgres", database="embedded_test")
     with server:
-        assert server.url.startswith("postgresql://postgres@127.0.0.1:") and server.url.endswith("/embedded_test")
+        # Services' URL: the service role, no password in it; the owner's for what creates tables.
+        assert server.url.startswith("postgresql://modelpool_service@127.0.0.1:") and server.url.endswith("/embedded_test")
         postmaster = server.pid
         assert postmaster is not None
         # Postgres refuses root; as root the server runs as an unprivileged account.
@@ -82,7 +83,7 @@ async def test_postgres_accepts_queries_runs_unprivileged_and_keeps_data(data_di
             assert _uid_of(postmaster) != 0
         else:
             assert _uid_of(postmaster) == expected_uid
-        conn = await asyncpg.connect(server.url)
+        conn = await asyncpg.connect(server.owner_url, password=server.owner.password)
         try:
             version = await conn.fetchval("SHOW server_version")
             assert version.startswith("16.")
@@ -98,7 +99,7 @@ async def test_postgres_accepts_queries_runs_unprivileged_and_keeps_data(data_di
 
     # Second start finds the cluster: no initdb, the row is still there.
     with EmbeddedPostgres(data_dir / "postgres", database="embedded_test") as again:
-        conn = await asyncpg.connect(again.url)
+        conn = await asyncpg.connect(again.owner_url, password=again.owner.password)
         try:
             assert await conn.fetchval("SELECT v FROM kept") == "survives a restart"
         finally:
@@ -188,7 +189,7 @@ async def test_a_killed_postgres_starts_again_on_its_port_despite_a_stuck_backen
     with EmbeddedPostgres(data_dir / "postgres", database="embedded_test") as server:
         url, postmaster = server.url, server.pid
         assert postmaster is not None
-        conn = await asyncpg.connect(url)
+        conn = await asyncpg.connect(server.owner_url, password=server.owner.password)
         await conn.execute("CREATE TABLE IF NOT EXISTS restarted AS SELECT 'kept' AS v")
         # A backend that cannot exit when its postmaster dies keeps the old shared memory
         # attached, which makes a new postmaster refuse to start until it is gone.
@@ -200,7 +201,7 @@ async def test_a_killed_postgres_starts_again_on_its_port_despite_a_stuck_backen
 
         server.start()
         assert server.url == url and server.pid != postmaster and not alive(stuck)
-        conn = await asyncpg.connect(url)
+        conn = await asyncpg.connect(server.owner_url, password=server.owner.password)
         try:
             assert await conn.fetchval("SELECT v FROM restarted") == "kept"
         finally:

@@ -163,6 +163,26 @@ def test_the_shape_the_deployment_guide_describes(rendered: list[Doc]) -> None:
     assert secrets == {"modelpool-credentials"}  # credentials only from the one Secret the guide creates
 
 
+def test_postgres_logins_are_the_owner_for_migrations_and_the_service_role_for_services(rendered: list[Doc]) -> None:
+    """No URL carries a password: each pod reads its login's from a file of the Secret, the migrations the owner's."""
+    for doc in rendered:
+        if doc["kind"] not in WORKLOADS:
+            continue
+        spec = pod_spec(doc)
+        container = spec["containers"][0]
+        env = {e["name"]: e for e in container.get("env", [])}
+        migrate = doc["metadata"]["name"] == "migrate"
+        url_key, password_key = ("database-owner-url", "database-owner-password") if migrate \
+            else ("database-url", "database-password")
+        assert env["DATABASE_URL"]["valueFrom"]["secretKeyRef"]["key"] == url_key, doc["metadata"]["name"]
+        path = env["MODELPOOL_DATABASE_PASSWORD_FILE"]["value"]
+        mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["items"] == [{"key": password_key, "path": path.rsplit("/", 1)[1]}]
+        assert volume["secret"]["defaultMode"] == 0o440 and mount["readOnly"] is True
+        assert ("MODELPOOL_DATABASE_SERVICE_ROLE" in env) == migrate
+
+
 def test_the_gpu_overlay_puts_workers_on_gpus_with_a_vllm_image() -> None:
     worker = next(d for d in render(K8S / "overlays" / "gpu") if d["kind"] == "DaemonSet")
     spec = pod_spec(worker)
@@ -173,7 +193,7 @@ def test_the_gpu_overlay_puts_workers_on_gpus_with_a_vllm_image() -> None:
     assert container["image"].split(":")[0].endswith("modelpool-vllm")
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["MODELPOOL_WORKER_GPU_MEMORY_GB"] == "auto"  # the node's GPUs say what they hold
-    assert [v["name"] for v in spec["volumes"]] == ["tmp", "pool", "cache"]
+    assert [v["name"] for v in spec["volumes"]] == ["tmp", "pool", "database-password", "cache"]
 
 
 def test_the_nats_values_keep_three_jetstream_servers() -> None:

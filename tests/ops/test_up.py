@@ -126,7 +126,15 @@ def test_up_serves_then_ctrl_c_stops_everything(data_dir: Path, tmp_path: Path, 
 
     text = cluster.output()
     assert f"http://127.0.0.1:{cluster.gateway_port}/v1" in text
-    assert "nats://127.0.0.1:" in text and "postgresql://postgres@127.0.0.1:" in text
+    # Services log in to the embedded Postgres as the service role, its password in a file: none is ever printed.
+    assert "nats://127.0.0.1:" in text and "postgresql://modelpool_service@127.0.0.1:" in text
+    for name in ("superuser-password", "owner-password", "service-password"):
+        secret = data_dir / "postgres" / name
+        assert secret.stat().st_mode & 0o777 == 0o600, name
+        assert secret.read_text().strip() not in text, name
+    found = json.loads((data_dir / "cluster.json").read_text())
+    assert found["database_password_file"] == str(data_dir / "postgres" / "service-password")
+    assert found["database_url"].startswith("postgresql://modelpool_service@")
     running = cluster.processes()
     commands = [cmdline(pid) for pid in running]
     for name in up.SERVICES:
@@ -283,7 +291,10 @@ async def test_killed_embedded_servers_come_back_on_their_port_with_their_data(
     await client.jetstream().add_stream(name=stream, subjects=[f"{stream}.>"])
     await client.jetstream().publish(f"{stream}.kept", b"kept")
     await client.close()
-    conn = await asyncpg.connect(database_url)
+    # As the owner of the database: the service role may create nothing.
+    owner_url = database_url.replace("modelpool_service@", "modelpool_owner@")
+    owner_password = (data_dir / "postgres" / "owner-password").read_text().strip()
+    conn = await asyncpg.connect(owner_url, password=owner_password)
     await conn.execute(f"CREATE TABLE {table} AS SELECT 'kept' AS v")
     await conn.close()
 
@@ -299,7 +310,7 @@ async def test_killed_embedded_servers_come_back_on_their_port_with_their_data(
     os.kill(postmaster, signal.SIGKILL)
     cluster.wait_for("[up] Postgres exited with code -9; restarting it in 1 s (restart 1)")
     cluster.wait_for(f"[up] Postgres is back on {database_url}")
-    conn = await asyncpg.connect(database_url)
+    conn = await asyncpg.connect(owner_url, password=owner_password)
     assert await conn.fetchval(f"SELECT v FROM {table}") == "kept"
     await conn.execute(f"DROP TABLE {table}")
     await conn.close()
@@ -348,7 +359,10 @@ def test_restart_options_are_checked() -> None:
 def test_external_servers_are_used_and_left_running(tmp_path: Path, started: list[Cluster]) -> None:
     with EmbeddedNats(tmp_path / "ext-nats") as nats, EmbeddedPostgres(tmp_path / "ext-pg") as postgres:
         own_dir = tmp_path / "own"
-        cluster = _start(own_dir, tmp_path / "up.log", {"NATS_URL": nats.url, "DATABASE_URL": postgres.url})
+        # One login for migrations and services alike, as an external server is given (here its owner).
+        cluster = _start(own_dir, tmp_path / "up.log", {
+            "NATS_URL": nats.url, "DATABASE_URL": postgres.owner_url,
+            "MODELPOOL_DATABASE_PASSWORD_FILE": str(postgres.owner.password_file)})
         started.append(cluster)
         cluster.wait_healthy()
         assert "external (NATS_URL)" in cluster.output() and "external (DATABASE_URL)" in cluster.output()

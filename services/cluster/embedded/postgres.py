@@ -1,4 +1,5 @@
-"""PostgreSQL from the `pgserver` wheel (or the system's binaries), run as an unprivileged account."""
+"""PostgreSQL from the `pgserver` wheel (or the system's binaries), run as an unprivileged account, every login with
+a password."""
 
 from __future__ import annotations
 
@@ -11,18 +12,44 @@ import shutil
 import signal
 import stat
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
 from services.cluster.embedded.base import LOCALHOST, PORT_ATTEMPTS, EmbeddedServer, EmbeddedServerError, PortTaken, wait_until
 from services.processes import Account, is_alive, kill_quietly, log_tail, processes_running, spawn, tied_to_us, wait_gone
+from shared.eventlog import roles
+from shared.internal_auth import make_secret_file
 from shared.net import free_port
+from shared.settings import read_password
 
 log = logging.getLogger(__name__)
 
 _DATABASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 # The account a root-started Postgres runs as (created on first use).
 SERVICE_ACCOUNT = "modelpool"
+
+PG_HBA = """\
+# Written by modelpool at each start: every connection proves its role's password (SCRAM-SHA-256).
+local   all   all                  scram-sha-256
+host    all   all   127.0.0.1/32   scram-sha-256
+host    all   all   ::1/128        scram-sha-256
+"""
+PGPASS_FILE = "pgpass"
+"""Every login of the cluster in libpq's password-file format: `PGPASSFILE=.../pgpass psql -h 127.0.0.1 -p PORT
+-U modelpool_owner modelpool` for an operator."""
+
+
+@dataclass(frozen=True)
+class Login:
+    """A role of the embedded cluster and the file its password is kept in (mode 0600, the caller's)."""
+
+    user: str
+    password_file: Path
+
+    @property
+    def password(self) -> str:
+        return read_password(str(self.password_file))
 
 
 def find_postgres_bin() -> Path:
@@ -91,19 +118,29 @@ def _chown_tree(path: Path, account: Account) -> None:
 
 
 class EmbeddedPostgres(EmbeddedServer):
-    """PostgreSQL 16 on 127.0.0.1 with trust authentication, cluster under `data_dir`.
+    """PostgreSQL 16 on 127.0.0.1, cluster under `data_dir`, every connection authenticated by password (SCRAM).
 
-    `data_dir` holds `pgdata/` (the cluster, created by initdb on first start)
-    and `postgres.log`. `port=0` picks a free port on the first start. After `start()` the server
-    accepts connections, `database` exists, and `url` is
-    `postgresql://postgres@127.0.0.1:PORT/DATABASE`.
+    `data_dir` holds `pgdata/` (the cluster, created by initdb on first start),
+    `postgres.log`, and the three logins' passwords, generated at the first start
+    and kept (mode 0600): `superuser-password` (`postgres`), `owner-password`
+    (`modelpool_owner`: owns the database and the schemas; migrations log in as
+    it) and `service-password` (`modelpool_service`: what services log in as;
+    migration 0006 says what it may do), with `pgpass` holding all three for
+    libpq clients. `port=0` picks a free port on the first start. After
+    `start()` the server accepts connections, `database` exists, owned by the
+    owner, and `url` is the service role's `postgresql://modelpool_service@
+    127.0.0.1:PORT/DATABASE`: URLs carry no password, which is read from the
+    login's file (`MODELPOOL_DATABASE_PASSWORD_FILE`).
+
+    A cluster made by an earlier modelpool, which trusted every local
+    connection, is brought to password authentication at its next start, and
+    its schemas handed to the owner (logged as a warning).
 
     As root, the server runs as an unprivileged account (see `service_account`);
     an existing cluster keeps running as the account that owns it.
     """
 
     name = "postgres"
-    superuser = "postgres"
 
     def __init__(
         self,
@@ -130,6 +167,9 @@ class EmbeddedPostgres(EmbeddedServer):
         self.stop_timeout_s = stop_timeout_s
         self.port = 0
         self.account: Account | None = None
+        self.superuser = Login("postgres", self.data_dir / roles.SUPERUSER_PASSWORD_FILE)
+        self.owner = Login(roles.OWNER_ROLE, self.data_dir / roles.OWNER_PASSWORD_FILE)
+        self.service = Login(roles.SERVICE_ROLE, self.data_dir / roles.SERVICE_PASSWORD_FILE)
 
     @property
     def pgdata(self) -> Path:
@@ -140,13 +180,24 @@ class EmbeddedPostgres(EmbeddedServer):
         return self.data_dir / "postgres.log"
 
     @property
-    def url(self) -> str:
-        return self.url_for(self.database)
+    def pgpass(self) -> Path:
+        return self.data_dir / PGPASS_FILE
 
-    def url_for(self, database: str) -> str:
-        if not self.port:
+    @property
+    def url(self) -> str:
+        """The service role's URL (no password: it is in `service.password_file`)."""
+        return self.url_for(self.database, self.service)
+
+    @property
+    def owner_url(self) -> str:
+        """The owner's URL, for migrations (no password: it is in `owner.password_file`)."""
+        return self.url_for(self.database, self.owner)
+
+    def url_for(self, database: str, login: Login | None = None) -> str:
+        port = self.port or self.requested_port
+        if not port:
             raise EmbeddedServerError("EmbeddedPostgres has not been started")
-        return f"postgresql://{self.superuser}@{LOCALHOST}:{self.port}/{database}"
+        return f"postgresql://{(login or self.service).user}@{LOCALHOST}:{port}/{database}"
 
     def _bin(self, name: str) -> str:
         return str((self.bin_dir or find_postgres_bin()) / name)
@@ -161,9 +212,11 @@ class EmbeddedPostgres(EmbeddedServer):
         port = self.port or self.requested_port  # the port it ran on before, else asked for; 0: any free one
         try:
             self.account = self._choose_account()
-            if not (self.pgdata / "PG_VERSION").is_file():
+            existed = (self.pgdata / "PG_VERSION").is_file()
+            if not existed:
                 self._initdb()
             self._clear_dead_server()
+            self._require_passwords(existed)
             for attempt in range(1, PORT_ATTEMPTS + 1):
                 self.port = port or free_port()
                 argv = [
@@ -191,6 +244,38 @@ class EmbeddedPostgres(EmbeddedServer):
         log.info("postgres %s (pid %d, data %s)", self.url, self._proc.pid, self.pgdata)
         return self
 
+    def _require_passwords(self, existed: bool) -> None:
+        """Before the server starts: passwords made where absent, the superuser's set, no login without one.
+
+        The superuser's password is set in single-user mode, with the server
+        down, so the cluster never listens while it trusts anyone. Done when
+        pg_hba.conf is not ours (a new cluster, or one an earlier modelpool made
+        with trust) or the superuser's password file was just made.
+        """
+        fresh = not self.superuser.password_file.exists()
+        for login in (self.superuser, self.owner, self.service):
+            make_secret_file(login.password_file, min_chars=16)
+        hba = self.pgdata / "pg_hba.conf"
+        current = hba.read_text() if hba.exists() else ""
+        if current == PG_HBA and not fresh:
+            return
+        if existed and current != PG_HBA:
+            log.warning("the PostgreSQL cluster in %s let every local user in without a password (made by an earlier "
+                        "modelpool): from now on every login needs its password (SCRAM-SHA-256), kept in %s",
+                        self.pgdata, self.data_dir)
+        statement = roles.password_sql(self.superuser.user, self.superuser.password)
+        argv = [self._bin("postgres"), "--single", "-D", str(self.pgdata), "-c", "exit_on_error=true", "postgres"]
+        result = self._run(argv, as_account=True, timeout_s=max(60.0, self.startup_timeout_s), input=statement.encode())
+        if result.returncode != 0:
+            raise EmbeddedServerError(f"setting the superuser's password failed with code {result.returncode}; "
+                                      f"its log ({self.log_path}):\n{log_tail(self.log_path)}")
+        staged = hba.with_name("pg_hba.conf.modelpool")
+        staged.write_text(PG_HBA)
+        if self.account is not None:
+            os.chown(staged, self.account.uid, self.account.gid)
+        staged.chmod(0o600)
+        staged.rename(hba)
+
     def _choose_account(self) -> Account | None:
         if os.geteuid() != 0:
             return None
@@ -208,12 +293,14 @@ class EmbeddedPostgres(EmbeddedServer):
         _make_traversable(Path(self._bin("postgres")).parent)
         return account
 
-    def _run(self, argv: list[str], *, as_account: bool, timeout_s: float) -> subprocess.CompletedProcess[bytes]:
+    def _run(self, argv: list[str], *, as_account: bool, timeout_s: float,
+             input: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
         assert self._log_file is not None
         self._log_file.flush()
         return subprocess.run(
             argv,
-            stdin=subprocess.DEVNULL,
+            input=input,
+            stdin=None if input is not None else subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             preexec_fn=tied_to_us(self.account if as_account else None, signal.SIGTERM, os.getpid()),
@@ -234,7 +321,9 @@ class EmbeddedPostgres(EmbeddedServer):
         argv = [
             self._bin("initdb"),
             "-D", str(staging),
-            "-U", self.superuser,
+            "-U", self.superuser.user,
+            # Replaced before the server first starts (`_require_passwords`): initdb would otherwise need the
+            # password in a file the unprivileged account can read.
             "--auth=trust",
             "--encoding=UTF8",
             "--locale=C",
@@ -282,39 +371,45 @@ class EmbeddedPostgres(EmbeddedServer):
         (self.pgdata / "postmaster.pid").unlink(missing_ok=True)
 
     def _accepting(self) -> bool:
-        argv = [self._bin("pg_isready"), "-q", "-h", LOCALHOST, "-p", str(self.port), "-U", self.superuser, "-d", "postgres"]
+        argv = [self._bin("pg_isready"), "-q", "-h", LOCALHOST, "-p", str(self.port), "-U", self.superuser.user, "-d", "postgres"]
         return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
 
-    def psql(self, sql: str, database: str = "postgres") -> str:
-        """Run one SQL statement with the bundled psql; returns unaligned output."""
-        argv = [
-            self._bin("psql"),
-            "-X",
-            "-q",
-            "-t",
-            "-A",
-            "-v",
-            "ON_ERROR_STOP=1",
-            "-h",
-            LOCALHOST,
-            "-p",
-            str(self.port),
-            "-U",
-            self.superuser,
-            "-d",
-            database,
-            "-c",
-            sql,
-        ]
-        result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+    def psql(self, sql: str, database: str = "postgres", *, notices: list[str] | None = None) -> str:
+        """Run SQL (one statement or several, `;`-separated) as the superuser with the bundled psql; returns
+        unaligned output. The SQL goes through psql's standard input and the password through its environment:
+        neither shows in a process list. `notices`: where the server's notices go."""
+        argv = [self._bin("psql"), "-X", "-q", "-t", "-A", "-v", "ON_ERROR_STOP=1",
+                "-h", LOCALHOST, "-p", str(self.port), "-U", self.superuser.user, "-d", database, "-f", "-"]
+        env = {**os.environ, "PGPASSWORD": self.superuser.password, "PGCONNECT_TIMEOUT": "10"}
+        env.pop("PGPASSFILE", None)
+        result = subprocess.run(argv, input=sql if sql.rstrip().endswith(";") else sql + ";", capture_output=True,
+                                text=True, timeout=60, env=env)
         if result.returncode != 0:
             raise EmbeddedServerError(f"psql failed: {result.stderr.strip()}")
+        if notices is not None:
+            notices += [line.split("NOTICE:", 1)[1].strip() for line in result.stderr.splitlines() if "NOTICE:" in line]
         return result.stdout.strip()
 
     def _ensure_database(self) -> None:
+        """The owner and service logins with their passwords, the database the owner's, its schemas too."""
+        self.psql(";\n".join(roles.login_sql(self.owner.user, self.owner.password)
+                              + roles.login_sql(self.service.user, self.service.password)))
         exists = self.psql(f"SELECT 1 FROM pg_database WHERE datname = '{self.database}'")
         if exists != "1":
-            self.psql(f'CREATE DATABASE "{self.database}"')
+            self.psql(f"CREATE DATABASE {roles.quoted(self.database)} OWNER {self.owner.user}")
+        self.psql(";\n".join(roles.database_sql(self.database, self.owner.user, self.service.user)))
+        handed: list[str] = []
+        self.psql(";\n".join(roles.schemas_sql(self.owner.user)), self.database, notices=handed)
+        for note in handed:
+            log.warning("%s (made by an earlier modelpool as the superuser; migrations now run as the owner)", note)
+        self._write_pgpass()
+
+    def _write_pgpass(self) -> None:
+        lines = [f"*:*:*:{login.user}:{login.password}" for login in (self.superuser, self.owner, self.service)]
+        fd = os.open(self.pgpass, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write("\n".join(lines) + "\n")
 
     def stop(self) -> None:
         self._stop(signal.SIGINT, self.stop_timeout_s)
