@@ -17,7 +17,10 @@ from typing import Any
 import numpy as np
 
 from shared.contracts.config import ConfigError
+from shared.contracts.mooncake import MooncakeRequest, conversations, is_mooncake, read_mooncake
 from shared.contracts.trace import TraceRequest, read_trace
+from simulation.mooncake import SHAPES as MOONCAKE_SHAPES
+from simulation.mooncake import generate_mooncake, mooncake_to_agentic
 from simulation.agentic import AgenticShape, BurstyShape, generate_agentic, generate_bursty
 
 
@@ -141,10 +144,25 @@ def _requests(arrivals: np.ndarray, rng: np.random.Generator, lengths: Lengths) 
 
 
 def load(spec: str, seed: int, overrides: dict[str, Any] | None = None) -> tuple[str, list[TraceRequest]]:
-    """A workload by name, or a trace file by path: its name and requests."""
+    """A workload by name, or a trace file by path (agentic or Mooncake format): its name and requests.
+
+    A Mooncake trace, read or generated (`mooncake-conversation`, `mooncake-toolagent`), becomes agentic sessions
+    by its inferred conversations (`simulation/mooncake.py`): a turn's delay is the time since its predecessor's
+    arrival, which the lab counts from the predecessor's answer, so a turn comes later by that answer's time
+    (seconds, against conversations' gaps of minutes)."""
     path = Path(spec)
+    if spec in MOONCAKE_SHAPES:
+        if overrides:
+            raise ConfigError("workload", f"{spec} takes no workload.* settings (its statistics are the release's)")
+        return spec, _agentic(generate_mooncake(MOONCAKE_SHAPES[spec], seed))
     if spec not in SHAPES and (path.suffix in (".jsonl", ".json") or path.exists()):
         if overrides:
             raise ConfigError("workload", "a trace file takes no workload.* settings")
+        if is_mooncake(path):
+            return path.stem, _agentic(read_mooncake(path))
         return path.stem, read_trace(path)
     return spec, generate(spec, seed, overrides)
+
+
+def _agentic(requests: list[MooncakeRequest]) -> list[TraceRequest]:
+    return mooncake_to_agentic(requests, conversations(requests))

@@ -1,10 +1,19 @@
-"""`modelpool trace generate | run | compare`: traces in the JSON Lines format of seed 004, made, replayed, compared.
+"""`modelpool trace generate | run | convert | compare`: traces made, replayed, converted and compared.
 
     modelpool trace generate --sessions 2000 --span-s 600 --seed 1 --out agentic.jsonl
     modelpool trace generate --shape bursty --requests 3000 --out bursty.jsonl
+    modelpool trace generate --shape mooncake-conversation --requests 2000 --out conversation.jsonl
     modelpool trace run agentic.jsonl --url http://127.0.0.1:8000 --model smollm2-135m --out ear.json
     modelpool trace run bursty.jsonl --open-loop --url ... --model ... --out bursty.json
+    modelpool trace run conversation_trace.jsonl --start 600 --duration 300 --speedup 10 --url ... --model ...
+    modelpool trace convert agentic.jsonl --out agentic-mooncake.jsonl
     modelpool trace compare ear.json sticky.json --plot compare.png
+
+Two formats: the project's agentic one (seed 004, `shared/contracts/trace.py`)
+and Mooncake's (`shared/contracts/mooncake.py`, the FAST'25 release's), told
+apart by their fields (or `--format`). A Mooncake trace is replayed open loop
+at its timestamps (`services/ops/mooncake_replay.py`); its generator
+(`simulation/mooncake.py`) follows the released traces' published statistics.
 
 The file's format is `shared/contracts/trace.py`; the shapes and their defaults
 `simulation/agentic.py`; the replay `services/ops/trace_replay.py` (closed
@@ -29,9 +38,14 @@ from pathlib import Path
 import httpx
 import orjson
 
+from services.ops.mooncake_replay import MooncakeReplay, select, summarise_mooncake
 from services.ops.trace_replay import Replay, ReplayedRequest, summarise
 from shared.contracts.config import ConfigError
+from shared.contracts.mooncake import BLOCK_TOKENS, conversations, is_mooncake, read_mooncake, write_mooncake
 from shared.contracts.trace import read_trace, write_trace
+from simulation.mooncake import SHAPES as MOONCAKE_SHAPES
+from simulation.mooncake import agentic_to_mooncake, generate_mooncake, mooncake_to_agentic
+from simulation.mooncake import statistics as mooncake_statistics
 from simulation.agentic import SEED_SKEW, AgenticShape, BurstyShape, generate_agentic, generate_bursty, io_ratio, skew
 
 COMPARED = ("answered", "failed", "ttft_s", "tpot_s", "e2e_s", "apc", "apc_upper_bound_intra_session",
@@ -44,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="write a skewed agentic trace, or bursty independent requests")
     generate.add_argument("--out", type=Path, required=True, help="the JSON Lines file to write")
     generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--shape", choices=["agentic", "bursty"], default="agentic")
+    generate.add_argument("--shape", choices=["agentic", "bursty", *MOONCAKE_SHAPES], default="agentic")
     added: set[str] = set()
     for shape in (AgenticShape(), BurstyShape()):
         for f in fields(shape):
@@ -61,6 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--speedup", type=float, default=1.0,
                      help="the engines run this much faster than real time (simulated engines' --speedup)")
     run.add_argument("--out", type=Path, help="write the summary and every request here (JSON), for `compare`")
+    run.add_argument("--format", choices=["auto", "agentic", "mooncake"], default="auto",
+                     help="the trace's format (auto: told by its fields)")
+    mooncake = run.add_argument_group("Mooncake traces (replayed open loop at their timestamps)")
+    mooncake.add_argument("--start", type=float, default=0.0, help="seconds into the trace to start at")
+    mooncake.add_argument("--duration", type=float, help="seconds of the trace to replay (default: all)")
+    mooncake.add_argument("--max-tokens", type=int, help="cap on each request's output_length")
+    mooncake.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS,
+                          help="words per 512-token block of the prompts built (smaller keeps a small model's context)")
+    convert = commands.add_parser("convert", help="an agentic trace to Mooncake format, or back")
+    convert.add_argument("trace", type=Path)
+    convert.add_argument("--out", type=Path, required=True)
     compare = commands.add_parser("compare", help="replays side by side: a table, and plots")
     compare.add_argument("runs", type=Path, nargs="+", help="files written by `run --out`")
     compare.add_argument("--plot", type=Path, help="write TTFT CDFs, per-instance TTFT p90 and instance changes here")
@@ -68,15 +93,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def replay(args: argparse.Namespace) -> tuple[dict, list[ReplayedRequest]]:
-    requests = read_trace(args.trace)
+    mooncake = args.format == "mooncake" or (args.format == "auto" and is_mooncake(args.trace))
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=args.timeout_s, headers=headers, limits=limits) as client:
+        if mooncake:
+            whole = read_mooncake(args.trace)
+            sessions_of = dict(zip(map(id, whole), conversations(whole)))  # inferred over the whole trace
+            requests = select(whole, args.start, args.duration)
+            if not requests:
+                raise ConfigError("--start", f"no request of the trace arrives in the {args.duration or 'rest'} "
+                                             f"seconds from {args.start:g} s", str(args.trace))
+            sessions = [sessions_of[id(r)] for r in requests]
+            run = MooncakeReplay(args.url.rstrip("/"), args.model, client, speedup=args.speedup, open_loop=True,
+                                 progress=progress(len(requests)))
+            wall = await run.run_mooncake(requests, sessions, args.block_tokens, args.max_tokens)
+            print(file=sys.stderr)
+            return summarise_mooncake(run.served, requests, sessions, wall, args.speedup), run.served
+        trace = read_trace(args.trace)
         run = Replay(args.url.rstrip("/"), args.model, client, speedup=args.speedup, open_loop=args.open_loop,
-                     progress=progress(len(requests)))
-        wall = await run.run(requests)
+                     progress=progress(len(trace)))
+        wall = await run.run(trace)
     print(file=sys.stderr)
-    return summarise(run.served, requests, wall, args.speedup), run.served
+    return summarise(run.served, trace, wall, args.speedup), run.served
+
+
+def convert(args: argparse.Namespace) -> dict:
+    """An agentic trace to Mooncake format, or a Mooncake trace to agentic sessions (its conversations inferred)."""
+    if is_mooncake(args.trace):
+        requests = read_mooncake(args.trace)
+        written = write_trace(mooncake_to_agentic(requests, conversations(requests)), args.out)
+        return {"out": str(args.out), "from": "mooncake", "to": "agentic", "requests": written}
+    requests = agentic_to_mooncake(read_trace(args.trace))
+    write_mooncake(requests, args.out)
+    return {"out": str(args.out), "from": "agentic", "to": "mooncake", **mooncake_statistics(requests)}
 
 
 def progress(total: int):
@@ -131,6 +181,9 @@ def main(argv: list[str]) -> int:
         if args.command == "compare":
             print(json.dumps(compare(args)))
             return 0
+        if args.command == "convert":
+            print(json.dumps(convert(args)))
+            return 0
     except ConfigError as exc:
         print(f"modelpool trace {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -138,6 +191,14 @@ def main(argv: list[str]) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
+    if args.shape in MOONCAKE_SHAPES:
+        shape = MOONCAKE_SHAPES[args.shape]
+        mooncake = generate_mooncake(shape, args.seed, args.requests)
+        write_mooncake(mooncake, args.out)
+        print(json.dumps({"out": str(args.out), "shape": args.shape, **mooncake_statistics(mooncake),
+                          "published": {"requests_per_hour": shape.requests, "mean_input": shape.mean_input,
+                                        "mean_output": shape.mean_output}}))
+        return 0
     shape_type = BurstyShape if args.shape == "bursty" else AgenticShape
     given = {f.name: getattr(args, f.name) for f in fields(shape_type) if getattr(args, f.name) is not None}
     shape = shape_type(**given)
