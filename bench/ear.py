@@ -28,6 +28,7 @@ import json
 import secrets
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -35,7 +36,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.ops.trace_replay import Replay, summarise  # noqa: E402
+from services.ops.trace_replay import Replay, ReplayedRequest, summarise  # noqa: E402
 from shared.contracts.config import AliasConfig  # noqa: E402
 from shared.contracts.events import event_registry  # noqa: E402
 from shared.contracts.trace import TraceRequest  # noqa: E402
@@ -74,11 +75,19 @@ async def migrations_of(settings: Settings, t_cool_wall_s: float) -> dict:
             "kv_move_s_max": max((m["kv_move_s"] for m in carried), default=None)}
 
 
-async def run_router(router: str, args: argparse.Namespace, trace: list[TraceRequest], work: Path) -> dict:
+Replayer = Callable[[str, httpx.AsyncClient, Callable[[int], None]], Awaitable[tuple[dict, list[ReplayedRequest]]]]
+"""Replays a trace through the gateway at the URL: its summary and every request as it went."""
+
+
+async def run_router(router: str, args: argparse.Namespace, replay: Replayer, requests: int, work: Path,
+                     capacity: int | None = None) -> dict:
+    """One router from scratch: fresh engines, the alias recorded with the router, a gateway, the replay. A
+    router named `NAME-recompute` is NAME with `move_kv` off: a moved session recomputes (as on vLLM)."""
     python = sys.executable
     settings = Settings.load({}, namespace=f"bench_ear_{secrets.token_hex(4)}")
     processes: list[BenchService] = []
-    capacity = args.kv_cache_tokens // args.max_model_len  # what the worker reads from a vLLM engine
+    capacity = capacity or args.kv_cache_tokens // args.max_model_len  # what the worker reads from a vLLM engine
+    plugin, move_kv = router.removesuffix("-recompute"), args.kv_moves and not router.endswith("-recompute")
     try:
         engines: dict[str, tuple[str, str | None]] = {}
         ports = free_ports(2 * args.engines + 1)
@@ -94,8 +103,8 @@ async def run_router(router: str, args: argparse.Namespace, trace: list[TraceReq
         for (url, _), process in zip(engines.values(), processes):
             await wait_ready(f"{url}/health", process)
         config = AliasConfig.model_validate({
-            "alias": ALIAS, "router": {"plugin": router, "t_hot_tokens": args.t_hot_tokens,
-                                       "t_cool_s": args.t_cool_s / args.speedup, "move_kv": args.kv_moves},
+            "alias": ALIAS, "router": {"plugin": plugin, "t_hot_tokens": args.t_hot_tokens,
+                                       "t_cool_s": args.t_cool_s / args.speedup, "move_kv": move_kv},
             "backends": {"vllm": {"model_name": ALIAS, "model_path": "simulated", "gpu_memory_gb": 24,
                                   "engine": "simulator", "max_model_len": args.max_model_len}}})
         await record_running(settings, [(config, engines, capacity)])
@@ -103,31 +112,36 @@ async def run_router(router: str, args: argparse.Namespace, trace: list[TraceReq
         gateway = BenchService(f"{router}-gateway", [python, "-m", "services.cli", "gateway"], work, {
             "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url, "MODELPOOL_NAMESPACE": settings.namespace,
             "MODELPOOL_GATEWAY_PORT": str(gateway_port), "MODELPOOL_GATEWAY_ID": "bench", "MODELPOOL_QUEUE_SIZE": "4096",
-            "MODELPOOL_QUEUE_TIMEOUT_S": "600", "MODELPOOL_LOG_LEVEL": "WARNING"})
+            "MODELPOOL_QUEUE_TIMEOUT_S": "600", "MODELPOOL_LOG_LEVEL": "WARNING",
+            # Every new session bound: the bench measures routing, not the per-key bound on log writes.
+            "MODELPOOL_SESSIONS_PER_MINUTE": "100000000"})
         processes.append(gateway)
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         await wait_ready(f"{gateway_url}/health", gateway)
 
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        done = 0
 
         def progress(n: int) -> None:
-            nonlocal done
-            done = n
-            if n % max(1, len(trace) // 10) == 0:
-                say(f"{router}: {n}/{len(trace)} requests answered")
+            if n % max(1, requests // 10) == 0:
+                say(f"{router}: {n}/{requests} requests answered")
 
         async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
-            replay = Replay(gateway_url, ALIAS, client, speedup=args.speedup, progress=progress)
-            wall = await replay.run(trace)
-        summary = summarise(replay.served, trace, wall, args.speedup)
+            summary, served = await replay(gateway_url, client, progress)
         summary.update(await migrations_of(settings, args.t_cool_s / args.speedup))
-        summary["served"] = replay.served
+        summary["served"] = served
         return summary
     finally:
         for process in reversed(processes):
             process.stop()
         await drop_namespace(settings)
+
+
+def agentic_replay(trace: list[TraceRequest], speedup: float) -> Replayer:
+    async def replay(url: str, client: httpx.AsyncClient, progress: Callable[[int], None]):
+        run = Replay(url, ALIAS, client, speedup=speedup, progress=progress)
+        wall = await run.run(trace)
+        return summarise(run.served, trace, wall, speedup), run.served
+    return replay
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
@@ -136,20 +150,17 @@ def plot(results: dict[str, dict], path: Path) -> None:
     plot_runs({router: (r, r["served"]) for router, r in results.items()}, path)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--routers", default=",".join(ROUTERS))
-    parser.add_argument("--engines", type=int, default=8)
-    parser.add_argument("--speedup", type=float, default=4.0)
-    parser.add_argument("--sessions", type=int, default=500)
-    parser.add_argument("--span-s", type=float, default=120.0, help="sessions start over this long (trace seconds)")
-    parser.add_argument("--alpha", type=float, default=AgenticShape.alpha, help="Pareto shape of session lengths (skew)")
-    parser.add_argument("--new-input-tokens", type=float, default=AgenticShape.new_input_tokens)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--kv-cache-tokens", type=int, default=262_144, help="KV capacity of each engine, tokens")
-    parser.add_argument("--d-1", type=float, default=0.0004,
+def pool_arguments(parser: argparse.ArgumentParser, routers: tuple[str, ...] = ROUTERS, engines: int = 8,
+                   speedup: float = 4.0, kv_cache_tokens: int = 262_144, max_model_len: int = 65_536,
+                   d_1: float = 0.0004) -> None:
+    """The routers, engines and EAR settings both EAR benchmarks take."""
+    parser.add_argument("--routers", default=",".join(routers))
+    parser.add_argument("--engines", type=int, default=engines)
+    parser.add_argument("--speedup", type=float, default=speedup)
+    parser.add_argument("--kv-cache-tokens", type=int, default=kv_cache_tokens, help="KV capacity of each engine, tokens")
+    parser.add_argument("--d-1", type=float, default=d_1,
                         help="engine seconds per batched token (prefill speed: 0.0004 is 2,500 tokens/s)")
-    parser.add_argument("--max-model-len", type=int, default=65_536)
+    parser.add_argument("--max-model-len", type=int, default=max_model_len)
     parser.add_argument("--t-hot-tokens", type=int, default=None, help="EAR's T_hot (default: the pool's default)")
     parser.add_argument("--t-cool-s", type=float, default=None, help="EAR's T_cool in trace seconds (default: the pool's)")
     parser.add_argument("--no-kv-moves", dest="kv_moves", action="store_false",
@@ -157,11 +168,25 @@ def main() -> None:
     parser.add_argument("--kv-transfer-gb-s", type=float, default=10.0, help="the engines' modelled KV link, GB/s")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--plot", type=Path)
-    args = parser.parse_args()
+
+
+def ear_defaults(args: argparse.Namespace) -> None:
     from shared.contracts.config import DEFAULT_T_COOL_S, DEFAULT_T_HOT_TOKENS
 
     args.t_hot_tokens = DEFAULT_T_HOT_TOKENS if args.t_hot_tokens is None else args.t_hot_tokens
     args.t_cool_s = DEFAULT_T_COOL_S if args.t_cool_s is None else args.t_cool_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    pool_arguments(parser)
+    parser.add_argument("--sessions", type=int, default=500)
+    parser.add_argument("--span-s", type=float, default=120.0, help="sessions start over this long (trace seconds)")
+    parser.add_argument("--alpha", type=float, default=AgenticShape.alpha, help="Pareto shape of session lengths (skew)")
+    parser.add_argument("--new-input-tokens", type=float, default=AgenticShape.new_input_tokens)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    ear_defaults(args)
     shape = AgenticShape(sessions=args.sessions, span_s=args.span_s, alpha=args.alpha,
                          new_input_tokens=args.new_input_tokens, max_turns=32)
     trace = generate_agentic(shape, args.seed)
@@ -171,7 +196,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-ear-") as tmp:
         for router in args.routers.split(","):
             say(f"{router}: {args.engines} engines, gateway, replay at {args.speedup:g}x")
-            r = results[router] = asyncio.run(run_router(router, args, trace, Path(tmp)))
+            r = results[router] = asyncio.run(run_router(router, args, agentic_replay(trace, args.speedup), len(trace),
+                                                         Path(tmp)))
             say(f"{router}: TTFT p90 {r['ttft_s']['p90']} s, worst instance p90 {r['instance_ttft_p90_s']['max']} s, "
                 f"APC {r['apc']} of {r['apc_upper_bound_intra_session']}, amplification {r['amplification']}, "
                 f"{r['migrations']} migrations ({r['kv_moves']} with their KV), {r['failed']} failed")

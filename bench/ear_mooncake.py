@@ -1,0 +1,162 @@
+"""Benchmark: every router on Mooncake-format traffic, through the real gateway, against two reuse bounds.
+
+The traffic is a slice of a Mooncake-format trace (`--trace FILE`, e.g. the
+released `conversation_trace.jsonl`; by default one generated to the released
+conversation trace's published statistics, `simulation/mooncake.py`), replayed
+open loop at its timestamps (`services/ops/mooncake_replay.py`): long prompts,
+modest reuse spread over many conversations, turns minutes apart, so load
+balance and cache capacity matter as much as affinity.
+
+Per router and repeat, from scratch (`bench/ear.py`'s pool): `--engines`
+SIMULATED vLLM engines (prefix caching on, `--speedup` times real time) as
+processes, recorded as the alias's running instances with `--capacity`
+requests each, the alias registered with the router, `modelpool gateway` as its
+own process. Routers: round-robin, least-load, kv-aware, sticky, affinity,
+ear (KV moved with a migrated session, as llama.cpp and the simulator can) and
+ear-recompute (a migrated session recomputes, as on vLLM).
+
+APC is judged against two bounds over the requests sent: the trace's own
+(`apc_bound_infinite`: an infinite cache seeing every request) and the
+capacity-bounded oracle (`apc_bound_capacity`: one pooled LRU cache of the
+engines' total KV capacity that sees every block: what any router could reach
+with that much memory). Requests longer than `--max-model-len` allows are left
+out of the slice (counted).
+
+    .venv/bin/python bench/ear_mooncake.py --repeats 2
+
+Progress goes to stderr; the last line on stdout is the JSON summary: per
+router, TTFT p50/p90/p99, APC, worst-instance TTFT p90, errors, with their
+spread over the repeats; and `trace_format`, `apc_bound_infinite`,
+`apc_bound_capacity`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from services.ops.mooncake_replay import MooncakeReplay, select, summarise_mooncake  # noqa: E402
+from shared.contracts.mooncake import BLOCK_TOKENS, MooncakeRequest, conversations, read_mooncake, reuse_bound  # noqa: E402
+from simulation.mooncake import SHAPES, generate_mooncake, statistics as trace_statistics  # noqa: E402
+
+from ear import ALIAS, ear_defaults, pool_arguments, run_router, say  # noqa: E402
+
+ROUTERS = ("round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear", "ear-recompute")
+
+
+def capacity_bound(requests: Sequence[MooncakeRequest], capacity_tokens: int, block: int = BLOCK_TOKENS) -> tuple[int, int]:
+    """(reusable, total) input tokens for one pooled LRU cache of `capacity_tokens` that sees every request's
+    blocks in arrival order: a request reuses its leading blocks still cached."""
+    cache: OrderedDict[int, int] = OrderedDict()
+    held = reusable = total = 0
+    for request in requests:
+        total += request.input_length
+        leading = True
+        for index, block_id in enumerate(request.hash_ids):
+            tokens = request.block_tokens(index, block)
+            if block_id in cache:
+                cache.move_to_end(block_id)
+                if leading:
+                    reusable += tokens
+                continue
+            leading = False
+            cache[block_id] = tokens
+            held += tokens
+            while held > capacity_tokens and cache:
+                _, evicted = cache.popitem(last=False)
+                held -= evicted
+    return reusable, total
+
+
+def mooncake_replay(requests: list[MooncakeRequest], sessions: list[str], args: argparse.Namespace):
+    async def replay(url: str, client: httpx.AsyncClient, progress: Callable[[int], None]):
+        run = MooncakeReplay(url, ALIAS, client, speedup=args.speedup, open_loop=True, progress=progress)
+        wall = await run.run_mooncake(requests, sessions, BLOCK_TOKENS, args.max_tokens)
+        return summarise_mooncake(run.served, requests, sessions, wall, args.speedup), run.served
+    return replay
+
+
+def spread(values: list[float | None]) -> dict:
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"median": None, "min": None, "max": None}
+    return {"median": round(statistics.median(present), 4), "min": min(present), "max": max(present)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    pool_arguments(parser, ROUTERS, engines=8, speedup=10.0, kv_cache_tokens=1_000_000, max_model_len=131_072,
+                   d_1=0.0001)
+    parser.add_argument("--trace", type=Path, help="a Mooncake-format file (default: one generated)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="mooncake-conversation")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--start", type=float, default=600.0, help="seconds into the trace to start at")
+    parser.add_argument("--duration", type=float, default=300.0, help="seconds of the trace to replay")
+    parser.add_argument("--capacity", type=int, default=32, help="requests each engine takes at once")
+    parser.add_argument("--max-tokens", type=int, default=None, help="cap on each request's output_length")
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    ear_defaults(args)
+    whole = read_mooncake(args.trace) if args.trace else generate_mooncake(SHAPES[args.shape], args.seed)
+    named = dict(zip(map(id, whole), conversations(whole)))
+    sliced = select(whole, args.start, args.duration)
+    fits = [r for r in sliced if r.input_length + (args.max_tokens or r.output_length) < args.max_model_len]
+    requests, sessions = fits, [named[id(r)] for r in fits]
+    infinite = reuse_bound(requests)
+    capacity = capacity_bound(requests, args.engines * args.kv_cache_tokens)
+    apc_infinite, apc_capacity = infinite[0] / infinite[1], capacity[0] / capacity[1]
+    say(f"trace: {len(requests)} requests ({len(sliced) - len(fits)} too long left out) in "
+        f"{len(set(sessions))} conversations over {args.duration:g} s; reuse bound {apc_infinite:.3f} "
+        f"(infinite), {apc_capacity:.3f} (pooled LRU of {args.engines} x {args.kv_cache_tokens} tokens)")
+    runs: dict[str, list[dict]] = {router: [] for router in args.routers.split(",")}
+    with tempfile.TemporaryDirectory(prefix="bench-ear-mooncake-") as tmp:
+        for repeat in range(args.repeats):
+            for router in runs:
+                say(f"repeat {repeat + 1}, {router}: {args.engines} engines, gateway, replay at {args.speedup:g}x")
+                r = asyncio.run(run_router(router, args, mooncake_replay(requests, sessions, args), len(requests),
+                                           Path(tmp), capacity=args.capacity))
+                r.pop("served")
+                runs[router].append(r)
+                say(f"{router}: TTFT p90 {r['ttft_s']['p90']} s, worst instance p90 {r['instance_ttft_p90_s']['max']} "
+                    f"s, APC {r['apc']}, {r['failed']} failed, {r['migrations']} migrations")
+    table = {}
+    for router, rs in runs.items():
+        table[router] = {
+            "ttft_p50_s": spread([r["ttft_s"]["p50"] for r in rs]), "ttft_p90_s": spread([r["ttft_s"]["p90"] for r in rs]),
+            "ttft_p99_s": spread([r["ttft_s"]["p99"] for r in rs]), "apc": spread([r["apc"] for r in rs]),
+            "worst_instance_ttft_p90_s": spread([r["instance_ttft_p90_s"]["max"] for r in rs]),
+            "errors": sum(r["failed"] + r["not_sent"] for r in rs), "migrations": spread([r["migrations"] for r in rs]),
+        }
+    ear = table.get("ear", {})
+    print(json.dumps({
+        "engine": "simulated-vllm", "trace_format": "mooncake",
+        "trace": str(args.trace) if args.trace else f"generated {args.shape} seed {args.seed}",
+        "trace_statistics": trace_statistics(requests), "start_s": args.start, "duration_s": args.duration,
+        "requests": len(requests), "left_out_too_long": len(sliced) - len(fits), "speedup": args.speedup,
+        "engines": args.engines, "capacity": args.capacity, "kv_cache_tokens": args.kv_cache_tokens,
+        "repeats": args.repeats, "apc_bound_infinite": round(apc_infinite, 4),
+        "apc_bound_capacity": round(apc_capacity, 4),
+        "apc_ear": ear.get("apc", {}).get("median"),
+        "apc_ear_of_capacity_bound": round(ear["apc"]["median"] / apc_capacity, 3)
+        if ear.get("apc", {}).get("median") is not None and apc_capacity else None,
+        "ttft_p90_s": {k: v["ttft_p90_s"]["median"] for k, v in table.items()},
+        "worst_instance_ttft_p90_s": {k: v["worst_instance_ttft_p90_s"]["median"] for k, v in table.items()},
+        "routers": table,
+    }))
+
+
+if __name__ == "__main__":
+    main()
