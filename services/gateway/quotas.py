@@ -25,7 +25,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from shared.contracts.config import TenantKey, key_id
@@ -109,7 +109,7 @@ class Ticket:
     """Completion tokens streamed so far (the request's content chunks)."""
     charged: int = 0
     """Completion tokens charged so far."""
-    open: bool = field(default=True)
+    open: bool = True
 
 
 def over_limit(limit: str, message: str, retry_after_s: float) -> APIError:
