@@ -22,9 +22,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from shared.contracts.config import ConfigError
+from shared.contracts.trace import checked_lines
 
 BLOCK_TOKENS = 512
 """Tokens per block of the released traces."""
@@ -65,24 +66,7 @@ def read_mooncake(path: Path, block: int = BLOCK_TOKENS) -> list[MooncakeRequest
     so is one whose `hash_ids` cannot hold its `input_length` in blocks of `block` tokens, or timestamps that go
     back in time."""
     requests: list[MooncakeRequest] = []
-    source = str(path)
-    try:
-        lines = path.read_bytes().splitlines()
-    except OSError as exc:
-        raise ConfigError("<file>", f"cannot read: {exc.strerror}", source) from exc
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{source}, line {number}"
-        try:
-            request = MooncakeRequest.model_validate(orjson.loads(line))
-        except orjson.JSONDecodeError as exc:
-            raise ConfigError("<line>", f"not valid JSON: {exc}", where) from None
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            field = ".".join(str(p) for p in error["loc"]) or "<line>"
-            raise ConfigError(field, "required field is missing" if error["type"] == "missing" else error["msg"],
-                              where) from None
+    for request, where in checked_lines(path, MooncakeRequest):
         blocks = math.ceil(request.input_length / block)
         if abs(len(request.hash_ids) - blocks) > 1:  # releases differ on whether a partial last block is named
             raise ConfigError("hash_ids", f"{len(request.hash_ids)} blocks for {request.input_length} tokens "

@@ -13,8 +13,9 @@ fields with defaults and this reader keeps reading version 1 files.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from shared.contracts.config import ConfigError
 
 TRACE_VERSION = 1
+M = TypeVar("M", bound=BaseModel)
 
 
 class TraceRequest(BaseModel):
@@ -45,11 +47,9 @@ def write_trace(requests: Iterable[TraceRequest], path: Path) -> int:
     return count
 
 
-def read_trace(path: Path) -> list[TraceRequest]:
-    """Every request of a trace file, checked: a bad line or a session whose turns are not 0, 1, 2, ...
-    in order is a `ConfigError` naming the line and the field."""
-    requests: list[TraceRequest] = []
-    next_turn: dict[str, int] = {}
+def checked_lines(path: Path, kind: type[M]) -> Iterator[tuple[M, str]]:
+    """Each non-blank line of a JSON Lines file as `kind`, with where it is (`FILE, line N`); a bad line is a
+    `ConfigError` naming the line and the field."""
     source = str(path)
     try:
         lines = path.read_bytes().splitlines()
@@ -60,7 +60,7 @@ def read_trace(path: Path) -> list[TraceRequest]:
             continue
         where = f"{source}, line {number}"
         try:
-            request = TraceRequest.model_validate(orjson.loads(line))
+            yield kind.model_validate(orjson.loads(line)), where
         except orjson.JSONDecodeError as exc:
             raise ConfigError("<line>", f"not valid JSON: {exc}", where) from None
         except ValidationError as exc:
@@ -68,6 +68,14 @@ def read_trace(path: Path) -> list[TraceRequest]:
             field = ".".join(str(p) for p in error["loc"]) or "<line>"
             raise ConfigError(field, "required field is missing" if error["type"] == "missing" else error["msg"],
                               where) from None
+
+
+def read_trace(path: Path) -> list[TraceRequest]:
+    """Every request of a trace file, checked: a bad line or a session whose turns are not 0, 1, 2, ...
+    in order is a `ConfigError` naming the line and the field."""
+    requests: list[TraceRequest] = []
+    next_turn: dict[str, int] = {}
+    for request, where in checked_lines(path, TraceRequest):
         expected = next_turn.get(request.session_id, 0)
         if request.turn != expected:
             raise ConfigError("turn", f"session {request.session_id!r} has turn {request.turn} where turn {expected} "
