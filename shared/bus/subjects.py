@@ -9,6 +9,7 @@ Telemetry (bounded lifetime, never in the log; see shared/bus/telemetry.py):
 
     <ns>.tel.window.<gateway_id>   gateway metric windows (24 h)                stream <NS>_WINDOWS
     <ns>.tel.demand                cold-start demand                            core NATS, not stored
+    <ns>.tel.usage.<gateway_id>    per-key usage, shared between gateways       core NATS, not stored
     KV <ns>_heartbeats             worker heartbeats with instance status       latest per worker, TTL
     KV <ns>_control                the controller's outlook per alias           latest per alias, TTL
 """
@@ -91,6 +92,13 @@ class Subjects:
     @property
     def demand(self) -> str:
         return f"{self.namespace}.tel.demand"
+
+    def usage_of(self, gateway_id: str) -> str:
+        return f"{self.namespace}.tel.usage.{gateway_id}"
+
+    @property
+    def all_usage(self) -> str:
+        return f"{self.namespace}.tel.usage.>"
 
     @property
     def heartbeats_bucket(self) -> str:
