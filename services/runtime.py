@@ -21,6 +21,7 @@ from typing import Any
 import uvicorn
 
 from faststream.nats import NatsBroker
+from faststream.security import SASLPlaintext
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -28,7 +29,9 @@ from starlette.types import ASGIApp
 
 from services.links import ServerLinks, ping_postgres
 from services.service_metrics import ServiceMetrics, metrics_app
-from shared.bus.jetstream import NATS_OPTIONS, Consumer, connect, ensure_streams, servers_of
+from shared.bus.auth import FILE_ENV, USER_ENV, BusCredentials, CredentialsError
+from shared.bus.jetstream import NATS_OPTIONS, Consumer, connect, ensure_streams, servers_of, wait_for_streams
+from shared.bus.permissions import DECLARING_ROLES, required_streams
 from shared.bus.subjects import Subjects
 from shared.bus.telemetry import TelemetryBus
 from shared.contracts.commands import command_registry
@@ -61,11 +64,13 @@ class ServiceContext:
     metrics: ServiceMetrics
     """What the service counts, served on `MODELPOOL_METRICS_PORT` when set."""
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    inbox_prefix: str | None = None
+    """Where this process's replies come, on a bus with users (its user's own inboxes)."""
 
     async def consume(self, *consumers: Consumer) -> None:
         """Run these bus consumers (FastStream drives their pull loops) until the service stops."""
         for consumer in consumers:
-            consumer.subscribe(self.broker)
+            consumer.subscribe(self.broker, self.inbox_prefix)
         await self.broker.start()
         await self.stop.wait()
         # Stop taking messages before the service's own shutdown, so nothing new
@@ -90,27 +95,37 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
     stack.push_async_callback(engine.dispose)
     events = event_registry()
     store = make_store(engine, events, settings.namespace)
+    # On a bus with users, this process connects as its own (shared/bus/auth.py), in the handshake.
+    credentials = settings.nats_credentials
     # Reconnects for ever (an outage of any length is waited out), and notices a server that
     # stops answering (paused, partitioned) within a few pings rather than minutes.
-    nc = await connect(settings.nats_url, name=f"modelpool-{name}-{socket.gethostname()}", **links.nats_callbacks())
+    nc = await connect_refusing_bad_credentials(settings, f"modelpool-{name}-{socket.gethostname()}", links)
     links.nats.reached()
     stack.push_async_callback(close_nats, nc)
     js = nc.jetstream()
     subjects = Subjects(settings.namespace)
-    telemetry_bus = TelemetryBus(nc, js, subjects)
+    # Declaring a stream is as good as publishing anywhere (shared/bus/permissions.py): on a bus with users
+    # only the autoscaler does it (and `modelpool migrate` before every service); the others wait for theirs.
+    declares = credentials is None or name in DECLARING_ROLES
+    telemetry_bus = TelemetryBus(nc, js, subjects, declares=declares)
 
     async def declare() -> None:
-        await ensure_streams(js, subjects, settings.stream_replicas)
+        if declares:
+            await ensure_streams(js, subjects, settings.stream_replicas)
         await telemetry_bus.ensure(settings.stream_replicas)
 
-    await retry_until_done(declare, "declaring the bus's streams", log)
+    if declares:
+        await retry_until_done(declare, "declaring the bus's streams", log)
+    else:
+        await retry_until_done(lambda: wait_for_streams(js, required_streams(name, subjects), log),
+                               "finding the bus's streams", log)
     # A NATS restarted without its store (or memory-only state lost in a restart) gets them again.
     links.on_nats_reconnect(lambda: retry_until_done(declare, "declaring the bus's streams again", log))
     await retry_until_done(lambda: ping_postgres(engine), "connecting to Postgres", log)
     links.postgres.reached()
     # Per-message lines at DEBUG: a busy service would otherwise log every message it handles.
     broker = NatsBroker(servers_of(settings.nats_url), logger=logging.getLogger(f"modelpool.{name}.bus"),
-                        log_level=logging.DEBUG, **NATS_OPTIONS)
+                        log_level=logging.DEBUG, **NATS_OPTIONS, **broker_credentials(credentials))
     stack.push_async_callback(broker.stop)
     return ServiceContext(
         name=name,
@@ -127,7 +142,41 @@ async def open_context(name: str, settings: Settings, stack: AsyncExitStack) -> 
         telemetry_bus=telemetry_bus,
         links=links,
         metrics=ServiceMetrics(name),
+        inbox_prefix=credentials.inbox_prefix if credentials else None,
     )
+
+
+async def connect_refusing_bad_credentials(settings: Settings, client_name: str, links: ServerLinks) -> NATS:
+    """The service's connection, waiting for NATS as long as it takes; but a server that refuses its credentials
+    (or their absence) at the first connection is a configuration error, said at once, naming the settings."""
+    callbacks = links.nats_callbacks()
+    refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def on_error(exc: Exception) -> None:
+        if "authorization violation" in str(exc).lower() and not refused.done():
+            refused.set_result(str(exc))
+        await callbacks["error_cb"](exc)
+
+    credentials = settings.nats_credentials
+    connecting = asyncio.ensure_future(connect(settings.nats_url, name=client_name, credentials=credentials,
+                                               **{**callbacks, "error_cb": on_error}))
+    await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+    if connecting.done():
+        return connecting.result()
+    connecting.cancel()
+    with contextlib.suppress(BaseException):
+        await connecting
+    who = f"user {credentials.user!r}" if credentials else "a client without credentials"
+    raise CredentialsError(f"{FILE_ENV} / {USER_ENV}: NATS at {settings.nats_url} refused {who} "
+                           f"({refused.result()}): give this service its own user's credentials")
+
+
+def broker_credentials(credentials: BusCredentials | None) -> dict[str, Any]:
+    """What FastStream's broker takes to connect as this process's user (its own inboxes included)."""
+    if credentials is None:
+        return {}
+    return {"security": SASLPlaintext(username=credentials.user, password=credentials.password),
+            "inbox_prefix": credentials.inbox_prefix}
 
 
 async def close_nats(nc: NATS) -> None:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from shared.bus.auth import BusCredentials, load_credentials
 from shared.configuration import from_environment, layered
 from shared.eventlog.roles import ROLE_NAME
 from shared.internal_auth import load_secret
@@ -30,6 +31,9 @@ ENVIRONMENT = {
     "database_password_file": "MODELPOOL_DATABASE_PASSWORD_FILE",
     "database_service_role": "MODELPOOL_DATABASE_SERVICE_ROLE",
     "nats_url": "NATS_URL",
+    "nats_user": "MODELPOOL_NATS_USER",
+    "nats_password": "MODELPOOL_NATS_PASSWORD",
+    "nats_credentials_file": "MODELPOOL_NATS_CREDENTIALS_FILE",
     "stream_replicas": "MODELPOOL_STREAM_REPLICAS",
     "namespace": "MODELPOOL_NAMESPACE",
     "config_path": "MODELPOOL_CONFIG",
@@ -73,6 +77,11 @@ class Settings(BaseModel):
     as the schema's owner and the services log in as another role."""
     nats_url: str = "nats://127.0.0.1:4222"
     """One server, or a cluster's servers comma-separated (the client fails over between them)."""
+    nats_user: str | None = None
+    nats_password: SecretStr | None = None
+    nats_credentials_file: str | None = None
+    """This process's user on a bus with users (`shared/bus/auth.py`): a user and password, or the file holding
+    them; none on a bus that asks for none."""
     stream_replicas: int = Field(default=1, ge=1, le=5)
     """Copies of every stream and bucket on a NATS cluster's servers: 3 keeps the bus whole through one
     server's loss. Raised on a running pool, the streams are updated to it."""
@@ -139,6 +148,7 @@ class Settings(BaseModel):
     @model_validator(mode="after")
     def _readable_secret(self) -> "Settings":
         self.cluster_key  # a secret file that cannot be read, or a short secret: said at start, by its setting
+        self.nats_credentials  # likewise a credentials file that cannot be read, or a user without a password
         return self
 
     @field_validator("database_url")
@@ -188,6 +198,12 @@ class Settings(BaseModel):
             return {}
         path = self.database_password_file
         return {"password": lambda: read_password(path)}
+
+    @property
+    def nats_credentials(self) -> BusCredentials | None:
+        """This process's NATS user and password, from the values or the file; None when neither is set."""
+        password = self.nats_password.get_secret_value() if self.nats_password else None
+        return load_credentials(self.nats_user, password, self.nats_credentials_file)
 
     @property
     def asyncpg_dsn(self) -> str:
@@ -241,5 +257,6 @@ def local_cluster(environ: Mapping[str, str]) -> dict[str, str]:
         os.kill(int(found["pid"]), 0)  # still running?
     except (OSError, ValueError, KeyError, TypeError):
         return {}
-    return {key: found[key] for key in ("database_url", "database_password_file", "nats_url", "namespace", "gateway")
+    return {key: found[key] for key in ("database_url", "database_password_file", "nats_url", "nats_credentials_file",
+                                        "namespace", "gateway")
             if found.get(key)}

@@ -34,14 +34,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from policy import decide
 from services.autoscaler.facts import LiveFacts
-from services.autoscaler.record import command_for, decision_events, subject_for
+from services.autoscaler.record import command_for, decision_events, operator_command, subject_for
 from shared.projections.snapshot import InstanceViews, build_snapshot, recorded_state
 from shared.bus.jetstream import publish
 from shared.bus.subjects import Subjects
 from shared.bus.telemetry import TelemetryBus
 from shared.contracts.config import AliasConfig, PoolConfig
 from shared.contracts.control import AliasSnapshot, Decision, PlannedAction, PolicyState
-from shared.contracts.events import AliasConfigured, InstanceStateChanged, WorkerLost
+from shared.contracts.events import AliasConfigured, InstanceStateChanged, OperatorCommanded, WorkerLost, operator_event_id
 from shared.contracts.messages import Envelope, derived_id, utcnow
 from shared.contracts.states import InstanceState as S
 from shared.contracts.states import instance_transition_allowed
@@ -51,7 +51,7 @@ from shared.eventlog.store import ConcurrencyError, EventStore
 from shared.faults import Outage, describe, retry_until_done
 from shared.projections.live import LiveView
 from shared.projections.readmodels import CONTROL, INSTANCES, ROUTING, WORKERS
-from shared.projections.rows import InstanceRow, WorkerRow
+from shared.projections.rows import InstanceRow, PendingCommandRow, WorkerRow
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -159,6 +159,10 @@ class Controller:
             asyncio.create_task(self.telemetry_bus.follow_windows(self.facts.window, stop)),
         ]
         demand = await self.telemetry_bus.subscribe_demand(self._on_demand)
+        # An operator's instance action, once relayed: sent now rather than at the next tick. Only a wake-up:
+        # what there is to send is read from the log.
+        operated = await self.telemetry_bus.nc.subscribe(self.subjects.event("alias:", OperatorCommanded.TYPE),
+                                                         cb=self._on_operator)
         try:
             while not stop.is_set():
                 if not await self.lease.acquire(stop):
@@ -167,6 +171,8 @@ class Controller:
         finally:
             with contextlib.suppress(Exception):
                 await demand.unsubscribe()
+            with contextlib.suppress(Exception):
+                await operated.unsubscribe()
             for task in followers:
                 task.cancel()
             await asyncio.gather(*followers, return_exceptions=True)
@@ -208,6 +214,9 @@ class Controller:
         finally:
             for w in waits:
                 w.cancel()
+
+    async def _on_operator(self, msg) -> None:
+        self._wake.set()
 
     def _on_demand(self, signal) -> None:
         self.facts.demanded(signal)
@@ -253,6 +262,7 @@ class Controller:
             self.states[config.alias] = decision.state
             await self.apply(config, decision, recorded)
             await self.publish_outlook(snapshot, decision, now)
+        await self.send_operator_commands()
         await self.resend(now, workers_up)
         pending = {cid for row in self.view[CONTROL].values() for cid in row.pending}
         for cid in [c for c in self.sent_at if str(c) not in pending]:
@@ -326,6 +336,43 @@ class Controller:
         except Exception as exc:  # the bus is away: the command is in the log, and is sent again
             log.warning("sending %s %s failed (%r); it will be sent again", action.action.value, action.instance_id, exc)
 
+    async def send_operator_commands(self) -> int:
+        """Send every operator's instance command recorded and not sent by this process yet.
+
+        The gateway records it (`OperatorCommanded`) and may not publish commands;
+        this is where it leaves for its worker, once. Level-triggered: a command
+        recorded while no autoscaler led, or sent by a leader that then died, is in
+        the control row until its outcome is, and is sent by whoever leads now; a copy
+        its worker already has is dropped by JetStream by its id, or past JetStream's
+        window recognised by the worker's markers.
+        """
+        sent = 0
+        for alias, row in self.view[CONTROL].items():
+            for command_id, c in row.pending.items():
+                cid = uuid.UUID(command_id)
+                if c.operator is None or c.acked or cid in self.sent_at:
+                    continue
+                await self._send_operator(alias, cid, c)
+                sent += 1
+        return sent
+
+    async def _send_operator(self, alias: str, command_id: uuid.UUID, c: PendingCommandRow) -> None:
+        if c.worker_id is None:  # recorded before events named the worker (v1): its gateway sent it then
+            self.sent_at[command_id] = (self.clock(), 1)
+            return
+        cause = await self.store.get(operator_event_id(command_id))
+        envelope = Envelope.wrap(operator_command(alias, c), id=command_id, causation=cause)
+        _, sends = self.sent_at.get(command_id, (None, 0))
+        self.sent_at[command_id] = (self.clock(), sends + 1)
+        try:
+            await publish(self.js, self.subjects.worker_commands(c.worker_id), envelope, self.telemetry)
+        except Exception as exc:  # the bus is away: the command is in the log, and is sent again
+            log.warning("sending operator %s %s failed (%r); it will be sent again", c.action.value, c.instance_id,
+                        exc)
+        else:
+            log.info("%s: sent operator %s's %s %s", alias, c.operator.split(":", 1)[0], c.action.value,
+                     c.instance_id)
+
     async def resend(self, now: datetime, workers_up: set[str]) -> int:
         """Send again every recorded command that shows no sign of having arrived.
 
@@ -338,10 +385,8 @@ class Controller:
         resent = 0
         for alias, row in self.view[CONTROL].items():
             config = configs.get(alias)
-            if config is None:
-                continue
             for command_id, c in row.pending.items():
-                if c.acked or (c.worker_id and c.worker_id not in workers_up):
+                if c.acked or (c.worker_id and c.worker_id not in workers_up) or (config is None and not c.operator):
                     continue
                 cid = uuid.UUID(command_id)
                 last, sends = self.sent_at.get(cid) or (c.issued_at, 1)
@@ -352,6 +397,11 @@ class Controller:
                                        reason="sent again: no sign it arrived", worker_id=c.worker_id, level=c.level,
                                        role=c.role)
                 log.info("%s: sending %s %s again", alias, action.action.value, action.instance_id)
+                if c.operator is not None:
+                    await self._send_operator(alias, cid, c)
+                    resent += 1
+                    continue
+                assert config is not None
                 await self._send(config, action, None)
                 resent += 1
         return resent

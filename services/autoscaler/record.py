@@ -10,6 +10,7 @@ from shared.contracts.commands import (
     Command,
     DeleteInstance,
     DrainInstance,
+    InstanceCommand,
     PlaceInstance,
     SleepInstance,
     WakeInstance,
@@ -24,6 +25,7 @@ from shared.contracts.events import (
     ScalingTargetsChanged,
 )
 from shared.contracts.messages import Envelope, derived_id
+from shared.projections.rows import PendingCommandRow
 
 
 def summarize(snapshot: AliasSnapshot, decision: Decision) -> str:
@@ -103,6 +105,26 @@ def command_for(action: PlannedAction, config: AliasConfig, drain_timeout_s: flo
     if action.action is Action.DELETE:
         return DeleteInstance(**worker)
     raise ValueError(f"no command for {action.action.value}")
+
+
+OPERATOR_DRAIN_TIMEOUT_S = 120.0
+"""How long an operator's drain waits for the instance's requests."""
+
+
+def operator_command(alias: str, c: PendingCommandRow) -> InstanceCommand:
+    """The worker's command for an operator's instance action (`OperatorCommanded`), with who asked and why."""
+    assert c.worker_id is not None and c.operator is not None
+    common = dict(instance_id=c.instance_id, alias=alias, backend_type=c.backend, worker_id=c.worker_id,
+                  reason=f"operator {c.operator}")
+    if c.action is Action.DRAIN:
+        return DrainInstance(**common, timeout_s=OPERATOR_DRAIN_TIMEOUT_S)
+    if c.action is Action.SLEEP:
+        return SleepInstance(**common, level=c.level)
+    if c.action is Action.WAKE:
+        return WakeInstance(**common)
+    if c.action is Action.DELETE:
+        return DeleteInstance(**common)
+    raise ValueError(f"no operator command for {c.action.value}")
 
 
 def subject_for(action: PlannedAction, subjects: Subjects) -> str:

@@ -10,6 +10,12 @@ one worker per entry of `workers`, each with its own settings), writes each
 process's output to `<workdir>/<name>.log`, and stops them all on exit. The
 caller migrates the namespace first. Its cluster secret is made in the workdir
 (unless the environment gives one), as `modelpool up` makes its own.
+
+On a NATS with the bus's users (`bus_users`, the server started with their
+configuration), every process connects as its own role's user, each worker as
+its own (`worker-<id>`, which must be among the users), and the pool first
+declares the namespace's streams as the operator (`modelpool migrate`), as `modelpool
+up` does.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from types import TracebackType
 
 from services.cluster.supervisor import Child, service_argv, stop
 from services.worker.service import REGISTERED
+from shared.bus.auth import FILE_ENV as NATS_CREDENTIALS_ENV
+from shared.bus.permissions import ROLES, user_name
+from shared.bus.users import BusUsers
 from shared.internal_auth import SECRET_ENV, SECRET_FILE_ENV, make_secret_file
 from shared.net import free_port
 
@@ -43,7 +52,9 @@ class LocalPool:
         *,
         workers: dict[str, dict[str, str]] | None = None,
         env: dict[str, str] | None = None,
+        bus_users: BusUsers | None = None,
     ) -> None:
+        self.bus_users = bus_users
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "pool.yaml"
@@ -65,6 +76,13 @@ class LocalPool:
 
     def start(self, ready_timeout_s: float = 60.0) -> "LocalPool":
         deadline = time.monotonic() + ready_timeout_s
+        if self.bus_users is not None:
+            # Only the operator and the autoscaler may declare streams; the workers starting first wait for theirs.
+            declared = self.start_service("migrate")
+            self._wait(lambda: not declared.alive, deadline, ignore=("migrate",))
+            self.processes.pop("migrate").close()
+            if declared.returncode != 0:
+                raise RuntimeError(f"declaring the bus's streams failed; its log: {declared.logged()[-2000:]}")
         # Workers first, and the control plane once each has registered: its first placements must see them
         # all (placement never moves a running instance, so replicas placed before a worker joins stay together).
         for worker_id in self.worker_settings:
@@ -77,9 +95,9 @@ class LocalPool:
         self._wait(lambda: self._healthy() and self._workers_up() >= len(self.worker_settings), deadline)
         return self
 
-    def _wait(self, ready: Callable[[], bool], deadline: float) -> None:
+    def _wait(self, ready: Callable[[], bool], deadline: float, ignore: tuple[str, ...] = ()) -> None:
         while not ready():
-            dead = [p.name for p in self.processes.values() if not p.alive]
+            dead = [p.name for p in self.processes.values() if not p.alive and p.name not in ignore]
             if dead or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"the pool did not come up (exited: {dead or 'none'}); logs in {self.workdir}")
@@ -89,6 +107,11 @@ class LocalPool:
         """Start `modelpool <command>` (default: `name`) as `name`; it writes whether it reaches its servers
         to `<workdir>/<name>.health.json` (`modelpool health --file ...` reads it)."""
         full_env = {**self.env, **(env or {}), "MODELPOOL_HEALTH_FILE": str(self.health_file(name))}
+        if self.bus_users is not None:
+            role = command or name
+            role = role if role in ROLES else "operator"
+            user = user_name(role, full_env.get("MODELPOOL_WORKER_ID") if role == "worker" else None)
+            full_env[NATS_CREDENTIALS_ENV] = str(self.bus_users.credentials_file(user))
         # Not tied to the starting thread's life: a pool is often started from a worker thread that ends first.
         process = Child(name, service_argv(command or name), full_env, log_path=self.workdir / f"{name}.log",
                         death_signal=None, extra_env=env)

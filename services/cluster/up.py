@@ -1,8 +1,10 @@
 """`modelpool up`: the whole local cluster in one command.
 
 Uses the NATS and Postgres servers named by `NATS_URL` / `DATABASE_URL`, or
-starts embedded ones under the data directory; applies the migrations (on the
-embedded Postgres as the schema's owner); starts
+starts embedded ones under the data directory (the embedded NATS with the bus's
+users, made at the first start: every service connects as its own role's, and a
+client without credentials is refused); applies the migrations (on the embedded
+Postgres as the schema's owner); starts
 every service as a child process with its output prefixed by its name; and on
 Ctrl-C or SIGTERM stops the services (SIGTERM, then SIGKILL after the stop
 timeout), then the embedded servers, and exits 0 with nothing left running.
@@ -41,6 +43,10 @@ from services.cluster.supervisor import (
 )
 from services.processes import RUN_MARKER, is_alive, processes_with_marker
 from services.ops.credentials import CLUSTER_SECRET_FILE
+from shared.bus.auth import FILE_ENV as NATS_CREDENTIALS_ENV
+from shared.bus.permissions import ROLES, user_name
+from shared.bus.subjects import Subjects
+from shared.bus.users import BusUsers, make_bus_users
 from shared.internal_auth import SECRET_ENV, SECRET_FILE_ENV, make_secret_file
 from shared.settings import redact_url
 
@@ -57,6 +63,8 @@ SIMULATED_GPU_MEMORY_GB = 24
 """What the local worker offers when MODELPOOL_WORKER_GPU_MEMORY_GB does not say: the simulator's GPU."""
 DEFAULT_ADMIN_PORT = 8001
 ADMIN_TOKEN_FILE = "admin-token"
+BUS_USERS_DIR = "nats-users"
+"""Where the embedded NATS's users are kept, beside its data (`shared/bus/users.py`)."""
 
 
 
@@ -144,13 +152,27 @@ class ShutdownRequest:
 # children
 
 
-def start_service(name: str, env: dict[str, str], output: Output) -> Child:
-    return Child(name, service_argv(name), env, output=output)
+def start_service(name: str, env: dict[str, str], output: Output, users: BusUsers | None = None,
+                  worker_id: str | None = None) -> Child:
+    """`modelpool NAME`, given its own role's bus credentials when the bus has users (the operator's for the
+    migrations, which declare the streams)."""
+    return Child(name, service_argv(name), {**env, **bus_credentials_env(name, users, worker_id)}, output=output)
 
 
-def run_once(name: str, env: dict[str, str], output: Output, started: list[Child]) -> int:
+def bus_credentials_env(name: str, users: BusUsers | None, worker_id: str | None = None) -> dict[str, str]:
+    """The variable naming the credentials of `name`'s role (a service, or the operator's for anything else)."""
+    if users is None:
+        return {}
+    role = name if name in ROLES else "operator"
+    found = {NATS_CREDENTIALS_ENV: str(users.credentials_file(user_name(role, worker_id)))}
+    if role == "worker" and worker_id:
+        found["MODELPOOL_WORKER_ID"] = worker_id  # the id its user was made for
+    return found
+
+
+def run_once(name: str, env: dict[str, str], output: Output, started: list[Child], users: BusUsers | None = None) -> int:
     """Run a one-shot service (the migrations) to completion, stopped like the others if interrupted."""
-    child = start_service(name, env, output)
+    child = start_service(name, env, output, users)
     started.append(child)
     code = child.proc.wait()
     if child.pump is not None:
@@ -208,6 +230,10 @@ class BackingServers:
     """What the services' environment adds to reach the database: the service role's password file."""
     migrate_env: dict[str, str]
     """What the migrations' environment adds: the owner's URL and password file, the role to grant to."""
+    bus_users: BusUsers | None = None
+    """The embedded NATS's users; None for an external NATS (its credentials, if any, are the environment's)."""
+    worker_id: str | None = None
+    """The local worker's id, as its bus user names it."""
 
 
 @contextlib.contextmanager
@@ -216,12 +242,19 @@ def backing_servers(args: argparse.Namespace, env: dict[str, str], output: Outpu
     with contextlib.ExitStack() as stack:
         data_dir = args.data_dir.absolute()
         embedded = []
+        users, worker_id = None, None
         if env.get("NATS_URL"):
             nats_url, nats_origin = env["NATS_URL"], "external (NATS_URL)"
         else:
-            output.line("up", f"starting NATS JetStream (data in {data_dir / 'nats'})")
-            nats = stack.enter_context(EmbeddedNats(data_dir / "nats", args.nats_port))
-            nats_url, nats_origin = nats.url, f"embedded, pid {nats.pid}, log {nats.log_path}"
+            # Its users made at the first start, passwords kept; a worker id new since then gets its own.
+            from services.worker.main import default_worker_id
+
+            worker_id = env.get("MODELPOOL_WORKER_ID") or default_worker_id()
+            namespace = args.namespace or env.get("MODELPOOL_NAMESPACE") or "modelpool"
+            users = make_bus_users(data_dir / BUS_USERS_DIR, Subjects(namespace), workers=[worker_id])
+            output.line("up", f"starting NATS JetStream (data in {data_dir / 'nats'}, users in {users.directory})")
+            nats = stack.enter_context(EmbeddedNats(data_dir / "nats", args.nats_port, config=users.server_config))
+            nats_url, nats_origin = nats.url, f"embedded, pid {nats.pid}, log {nats.log_path}, with users"
             embedded.append(WatchedServer("NATS", nats, redact_url(nats.url)))
         database_env: dict[str, str] = {}
         migrate_env: dict[str, str] = {}
@@ -240,7 +273,8 @@ def backing_servers(args: argparse.Namespace, env: dict[str, str], output: Outpu
                            "MODELPOOL_DATABASE_SERVICE_ROLE": postgres.service.user}
         if embedded:
             stack.callback(output.line, "up", "stopping the embedded servers")
-        yield BackingServers(nats_url, database_url, nats_origin, pg_origin, embedded, database_env, migrate_env)
+        yield BackingServers(nats_url, database_url, nats_origin, pg_origin, embedded, database_env, migrate_env, users,
+                             worker_id)
 
 
 def engine_lines(env: dict[str, str]) -> list[str]:
@@ -293,7 +327,7 @@ def admin_token(directory: Path) -> str:
     return make_secret_file(directory / ADMIN_TOKEN_FILE, min_chars=16).read_text().strip()
 
 
-def announce_cluster(directory: Path, env: dict[str, str]) -> Path:
+def announce_cluster(directory: Path, env: dict[str, str], users: BusUsers | None = None) -> Path:
     """Say where this cluster's servers are, for operator commands run from the same place."""
     from shared.settings import CLUSTER_FILE
 
@@ -306,6 +340,8 @@ def announce_cluster(directory: Path, env: dict[str, str]) -> Path:
         out.write(json.dumps({
             "pid": os.getpid(), "database_url": env["DATABASE_URL"],
             "database_password_file": env.get("MODELPOOL_DATABASE_PASSWORD_FILE"), "nats_url": env["NATS_URL"],
+            # Operator commands from here connect as the operator (the file's name, never the password).
+            **({"nats_credentials_file": str(users.credentials_file("operator"))} if users else {}),
             "namespace": env.get("MODELPOOL_NAMESPACE") or "modelpool",
             "gateway": f"http://{LOCALHOST}:{env['MODELPOOL_GATEWAY_PORT']}/v1",
         }, indent=2) + "\n")
@@ -366,14 +402,15 @@ def run(args: argparse.Namespace, shutdown: ShutdownRequest, output: Output) -> 
             if not (env.get(SECRET_ENV) or env.get(SECRET_FILE_ENV)):
                 # Signs every call to engines' internal ports and the KV they move: made at the first start.
                 env[SECRET_FILE_ENV] = str(make_secret_file(args.data_dir.absolute() / CLUSTER_SECRET_FILE))
-            cluster_file = announce_cluster(args.data_dir, env)
+            cluster_file = announce_cluster(args.data_dir, env, servers.bus_users)
             try:
-                output.line("up", "applying migrations")
-                migrated = run_once("migrate", {**env, **servers.migrate_env}, output, children)
+                output.line("up", "applying migrations" + (" and declaring the bus's streams" if servers.bus_users else ""))
+                migrated = run_once("migrate", {**env, **servers.migrate_env}, output, children, servers.bus_users)
                 if migrated != 0:
                     output.line("up", f"migrations failed with code {migrated}; stopping")
                     return 1
-                children.extend(start_service(name, env, output) for name in args.services)
+                children.extend(start_service(name, env, output, servers.bus_users, servers.worker_id)
+                                for name in args.services)
                 output.line("up", banner(args, servers, env))
                 shutdown.starting = False
                 health = f"http://{LOCALHOST}:{args.gateway_port}/health" if "gateway" in args.services else None

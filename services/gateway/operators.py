@@ -1,12 +1,14 @@
 """Operators' actions (the console, the admin API): recorded in the log with who and why, then carried out.
 
-Every action is first an `OperatorCommanded` on the alias's stream, so the
-alias's timeline shows it and a decision the controller had in hand at that
-version is refused and made again with it. An instance action (drain, sleep,
-wake, delete) then goes to the instance's worker as the controller's commands
-do, the event its cause: the worker records the change with the operator's
-reason. A pause or a pin is read by the controller from the log at its next
-tick (`policy/operator.py` says what it does to a decision).
+Every action is an `OperatorCommanded` on the alias's stream, so the alias's
+timeline shows it and a decision the controller had in hand at that version is
+refused and made again with it. An instance action (drain, sleep, wake, delete)
+is a command for the instance's worker, recorded with its id and the worker: the
+gateway may not publish commands (docs/security.md), so the autoscaler sends it,
+as it sends its own, the event its cause, and the worker records the change with
+the operator's reason. The admin API answers with what was recorded: the command
+is on its way. A pause or a pin is read by the controller from the log at its
+next tick (`policy/operator.py` says what it does to a decision).
 """
 
 from __future__ import annotations
@@ -15,18 +17,14 @@ import uuid
 from typing import Any
 
 from services.runtime import ServiceContext
-from shared.bus.jetstream import publish
-from shared.contracts.backends import Action, BackendType, supports
-from shared.contracts.commands import DeleteInstance, DrainInstance, InstanceCommand, SleepInstance, WakeInstance
+from shared.contracts.backends import BackendType, supports
 from shared.contracts.effects import effect_of
-from shared.contracts.events import INSTANCE_ACTIONS, OperatorAction, OperatorCommanded
+from shared.contracts.events import INSTANCE_ACTIONS, OperatorAction, OperatorCommanded, operator_event_id
 from shared.contracts.messages import Envelope
 from shared.contracts.states import IllegalTransition
 from shared.openai_protocol import APIError, bad_request
 from shared.projections.live import LiveView
 from shared.projections.readmodels import INSTANCES, ROUTING
-
-DRAIN_TIMEOUT_S = 120.0
 
 
 def _who_and_why(body: dict[str, Any]) -> tuple[str, str]:
@@ -41,13 +39,16 @@ def _who_and_why(body: dict[str, Any]) -> tuple[str, str]:
 
 
 async def _record(ctx: ServiceContext, event: OperatorCommanded) -> Envelope:
-    (stored,) = await ctx.record(Envelope.wrap(event))
+    # An instance action's event has its id from its command's: the autoscaler finds it, to send the command
+    # with it as its cause.
+    (stored,) = await ctx.record(Envelope.wrap(event, id=operator_event_id(event.command_id) if event.command_id
+                                               else None))
     return stored
 
 
 async def command_instance(ctx: ServiceContext, view: LiveView, instance_id: str, action: OperatorAction,
                            body: dict[str, Any]) -> dict[str, Any]:
-    """Drain, sleep, wake or delete one instance; what was recorded and sent."""
+    """Drain, sleep, wake or delete one instance; what was recorded (the autoscaler sends the command)."""
     operator, reason = _who_and_why(body)
     row = view[INSTANCES].get(instance_id)
     if row is None:
@@ -69,22 +70,9 @@ async def command_instance(ctx: ServiceContext, view: LiveView, instance_id: str
     command_id = uuid.uuid4()
     cause = await _record(ctx, OperatorCommanded(
         alias=row.alias, action=action, operator=operator, reason=reason, instance_id=instance_id,
-        backend_type=row.backend_type, level=level or None, command_id=command_id))
-    common = dict(instance_id=instance_id, alias=row.alias, backend_type=row.backend_type, worker_id=row.worker_id,
-                  reason=f"operator {operator}: {reason}")
-    command: InstanceCommand
-    if worker_action is Action.DRAIN:
-        command = DrainInstance(**common, timeout_s=DRAIN_TIMEOUT_S)
-    elif worker_action is Action.SLEEP:
-        command = SleepInstance(**common, level=level)
-    elif worker_action is Action.WAKE:
-        command = WakeInstance(**common)
-    else:
-        command = DeleteInstance(**common)
-    envelope = Envelope.wrap(command, id=command_id, causation=cause)
-    await publish(ctx.js, ctx.subjects.worker_commands(row.worker_id), envelope, ctx.telemetry)
+        backend_type=row.backend_type, level=level or None, command_id=command_id, worker_id=row.worker_id))
     return {"event_id": str(cause.id), "command_id": str(command_id), "instance_id": instance_id,
-            "worker_id": row.worker_id, "action": action.value}
+            "worker_id": row.worker_id, "action": action.value, "sent_by": "autoscaler"}
 
 
 async def hold_alias(ctx: ServiceContext, view: LiveView, alias: str, action: OperatorAction,

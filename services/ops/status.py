@@ -41,12 +41,13 @@ async def read_live(bus: TelemetryBus) -> dict[str, Any]:
 async def load_live(settings: Settings) -> dict[str, Any]:
     """Heartbeats and outlooks from the bus; empty, with the reason, when the bus cannot be reached."""
     try:
-        nc = await connect_once(settings.nats_url, name="modelpool-status", timeout_s=LIVE_TIMEOUT_S)
+        nc = await connect_once(settings.nats_url, name="modelpool-status", timeout_s=LIVE_TIMEOUT_S,
+                                credentials=settings.nats_credentials)
     except ConnectionError as exc:
         return {"error": str(exc)}
     try:
-        bus = TelemetryBus(nc, nc.jetstream(), Subjects(settings.namespace))
-        await bus.ensure()
+        # A reader: binds to the buckets there are, declares none (it may run with a gateway's credentials).
+        bus = TelemetryBus(nc, nc.jetstream(), Subjects(settings.namespace), declares=False)
         return await read_live(bus)
     finally:
         await nc.close()

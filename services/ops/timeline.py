@@ -130,7 +130,8 @@ async def read_gateway_windows(settings: Settings, alias: str, since: datetime,
                                until: datetime) -> tuple[list[GatewayWindow] | None, str]:
     """The alias's gateway windows still on the bus; None and the reason when it cannot be read."""
     try:
-        nc = await connect_once(settings.nats_url, name="modelpool-history", timeout_s=BUS_TIMEOUT_S)
+        nc = await connect_once(settings.nats_url, name="modelpool-history", timeout_s=BUS_TIMEOUT_S,
+                                credentials=settings.nats_credentials)
     except ConnectionError as exc:
         return None, str(exc)
     try:

@@ -60,9 +60,11 @@ class Live:
         try:
             if self.nc is None or not self.nc.is_connected:
                 await self.close()
-                self.nc = await connect_once(self.settings.nats_url, name="modelpool-top", timeout_s=LIVE_TIMEOUT_S)
-                self.bus = TelemetryBus(self.nc, self.nc.jetstream(), Subjects(self.settings.namespace))
-                await self.bus.ensure()
+                self.nc = await connect_once(self.settings.nats_url, name="modelpool-top", timeout_s=LIVE_TIMEOUT_S,
+                                             credentials=self.settings.nats_credentials)
+                # A reader: binds to the buckets there are, declares none.
+                self.bus = TelemetryBus(self.nc, self.nc.jetstream(), Subjects(self.settings.namespace),
+                                        declares=False)
             assert self.bus is not None
             return await asyncio.wait_for(read_live(self.bus), LIVE_TIMEOUT_S)
         except Exception as exc:  # the bus is away: say so, and connect again at the next frame

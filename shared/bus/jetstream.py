@@ -31,6 +31,7 @@ from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
 from shared.bus import subjects as h
+from shared.bus.auth import BusCredentials
 from shared.bus.subjects import DUPLICATE_WINDOW_S, Subjects
 from shared.contracts.messages import Contract, Envelope, InvalidMessage, Registry, UnknownMessageType, describe_errors
 from shared.faults import describe, is_transient
@@ -58,12 +59,14 @@ def servers_of(url: str) -> list[str]:
     return [server.strip() for server in url.split(",") if server.strip()]
 
 
-async def connect(url: str, *, name: str, **options: Any) -> NATS:
-    """A connection that retries for ever (services); `options` override that, e.g. for a one-shot command."""
-    return await nats.connect(servers_of(url), **{"name": name, **NATS_OPTIONS, **options})
+async def connect(url: str, *, name: str, credentials: BusCredentials | None = None, **options: Any) -> NATS:
+    """A connection that retries for ever (services); `options` override that, e.g. for a one-shot command.
+    `credentials`: the user to connect as, on a bus with users (they go in the handshake, never in the URL)."""
+    auth = credentials.connect_options() if credentials else {}
+    return await nats.connect(servers_of(url), **{"name": name, **NATS_OPTIONS, **auth, **options})
 
 
-async def connect_once(url: str, *, name: str, timeout_s: float) -> NATS:
+async def connect_once(url: str, *, name: str, timeout_s: float, credentials: BusCredentials | None = None) -> NATS:
     """A connection for a one-shot command: two attempts, no reconnecting. A failure is raised once, as
     `ConnectionError` saying why, instead of a traceback per attempt (a service would retry for ever)."""
     failures: list[Exception] = []
@@ -72,8 +75,8 @@ async def connect_once(url: str, *, name: str, timeout_s: float) -> NATS:
         failures.append(exc)
 
     try:
-        return await asyncio.wait_for(connect(url, name=name, allow_reconnect=False, max_reconnect_attempts=1,
-                                              error_cb=remember), timeout_s)
+        return await asyncio.wait_for(connect(url, name=name, credentials=credentials, allow_reconnect=False,
+                                              max_reconnect_attempts=1, error_cb=remember), timeout_s)
     except Exception as exc:
         why = failures[-1] if failures else exc
         raise ConnectionError(f"NATS at {url} unreachable ({str(why) or why.__class__.__name__})") from exc
@@ -117,6 +120,23 @@ async def ensure_streams(js: JetStreamContext, subjects: Subjects, replicas: int
             await js.add_stream(config)
         else:
             await js.update_stream(config)
+
+
+async def wait_for_streams(js: JetStreamContext, streams: tuple[str, ...], logger: logging.Logger,
+                           poll_s: float = 1.0) -> None:
+    """Until every one of `streams` exists: a process that may not declare them (`shared/bus/permissions.py`)
+    waits for `modelpool migrate` or the autoscaler to do it, saying so once."""
+    said = False
+    for stream in streams:
+        while True:
+            try:
+                await js.stream_info(stream)
+                break
+            except NotFoundError:
+                if not said:
+                    logger.warning("waiting for the stream %s: `modelpool migrate` or the autoscaler declares it", stream)
+                    said = True
+                await asyncio.sleep(poll_s)
 
 
 def message_headers(
@@ -216,8 +236,11 @@ class Consumer:
             deliver_policy=DeliverPolicy.NEW if self.deliver_new_only else DeliverPolicy.ALL,
         )
 
-    def subscribe(self, broker: NatsBroker) -> None:
+    def subscribe(self, broker: NatsBroker, inbox_prefix: str | None = None) -> None:
         """Register with a FastStream broker, which runs the pull loop; `handle` does the rest.
+
+        `inbox_prefix`: where the pulled messages come, on a bus with users the connection's own
+        inboxes (`shared/bus/auth.py`); FastStream's default is everyone's `_INBOX`.
 
         Acknowledgement is manual: `handle` acks only after the handler's effect is
         committed. The raw body is passed through undecoded, so a message that is
@@ -235,6 +258,7 @@ class Consumer:
             pull_sub=PullSub(batch_size=self.batch, timeout=0.5),
             ack_policy=FastStreamAck.MANUAL,
             decoder=undecoded,
+            **({"inbox_prefix": f"{inbox_prefix}.".encode()} if inbox_prefix else {}),
         )
         async def on_message(body: bytes, message: NatsMessage) -> None:
             await self.handle(message.raw_message)

@@ -78,25 +78,38 @@ def alias_key(alias: str) -> str:
 
 
 class TelemetryBus:
-    """Publishing and reading telemetry for one namespace."""
+    """Publishing and reading telemetry for one namespace.
 
-    def __init__(self, nc: NATS, js: JetStreamContext, subjects: Subjects) -> None:
+    `declares`: whether this process may declare the buckets and the windows stream
+    (`shared/bus/permissions.py`: on a bus with users, only the autoscaler and the
+    operator's commands may). One that may not binds to what is there when it first
+    needs it, and binds again after a failure: a bucket a restarted server lost
+    comes back when a declaring process declares it again.
+    """
+
+    def __init__(self, nc: NATS, js: JetStreamContext, subjects: Subjects, *, declares: bool = True) -> None:
         self.nc = nc
         self.js = js
         self.subjects = subjects
+        self.declares = declares
         self.registry = telemetry_registry()
-        self._heartbeats: KeyValue | None = None
-        self._control: KeyValue | None = None
+        self._buckets: dict[str, KeyValue] = {}
         self._replicas: int | None = None
         """The pool's setting, once `ensure` was given it: what a bucket declared again is kept on."""
 
     async def ensure(self, replicas: int | None = None) -> None:
         """Declare the buckets and the windows stream (idempotent), each kept on `replicas` servers. A reader
-        that does not know the pool's setting (None) creates what is missing on one and changes nothing else."""
+        that does not know the pool's setting (None) creates what is missing on one and changes nothing else.
+        A process that does not declare only forgets its bindings, to bind again at its next use."""
+        if not self.declares:
+            self._buckets.clear()
+            return
         if replicas is not None:
             self._replicas = replicas
-        self._heartbeats = await self._bucket(self.subjects.heartbeats_bucket, HEARTBEAT_TTL_S, replicas)
-        self._control = await self._bucket(self.subjects.control_bucket, OUTLOOK_TTL_S, replicas)
+        self._buckets[self.subjects.heartbeats_bucket] = await self._bucket(
+            self.subjects.heartbeats_bucket, HEARTBEAT_TTL_S, replicas)
+        self._buckets[self.subjects.control_bucket] = await self._bucket(
+            self.subjects.control_bucket, OUTLOOK_TTL_S, replicas)
         config = StreamConfig(
             name=self.subjects.windows_stream,
             subjects=[self.subjects.all_windows],
@@ -119,6 +132,16 @@ class TelemetryBus:
             return await self.js.create_key_value(KeyValueConfig(
                 bucket=name, history=1, ttl=ttl_s, storage=StorageType.MEMORY, replicas=replicas or 1))
         await self._keep_replicas(f"KV_{name}", replicas)
+        return bucket
+
+    async def _bound(self, name: str) -> KeyValue:
+        """The bucket `name`, declared (or bound, by a process that does not declare) at its first use."""
+        bucket = self._buckets.get(name)
+        if bucket is None:
+            if self.declares:
+                await self.ensure(self._replicas)
+                return self._buckets[name]
+            bucket = self._buckets[name] = await self.js.key_value(name)
         return bucket
 
     async def _keep_replicas(self, stream: str, replicas: int | None) -> None:
@@ -153,14 +176,12 @@ class TelemetryBus:
     # ------------------------------------------------------------------ heartbeats
 
     async def put_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
-        assert self._heartbeats is not None, "call ensure() first"
-        await self._put(self._heartbeats, heartbeat.worker_id, self._encode(heartbeat))
+        await self._put(self.subjects.heartbeats_bucket, heartbeat.worker_id, self._encode(heartbeat))
 
     async def heartbeat_of(self, worker_id: str) -> WorkerHeartbeat | None:
         """A worker's latest heartbeat read now from the bucket (not from a watch), or None if it has none."""
-        assert self._heartbeats is not None, "call ensure() first"
         try:
-            entry = await self._heartbeats.get(worker_id)
+            entry = await (await self._bound(self.subjects.heartbeats_bucket)).get(worker_id)
         except KeyNotFoundError:
             return None
         if not entry.value:
@@ -169,22 +190,26 @@ class TelemetryBus:
 
     async def heartbeats(self) -> dict[str, WorkerHeartbeat]:
         """The latest heartbeat of every worker heard from within the bucket's TTL."""
-        assert self._heartbeats is not None, "call ensure() first"
-        return {hb.worker_id: hb for hb in await self._latest(self._heartbeats, WorkerHeartbeat)}
+        try:
+            heartbeats = await self._bound(self.subjects.heartbeats_bucket)
+        except BucketNotFoundError:  # not declared yet (or lost with a server's restart): nobody heard from
+            return {}
+        return {hb.worker_id: hb for hb in await self._latest(heartbeats, WorkerHeartbeat)}
 
     async def watch_heartbeats(self, on_heartbeat: Callable[[WorkerHeartbeat], None], stop: asyncio.Event) -> None:
-        assert self._heartbeats is not None, "call ensure() first"
-        await self._watch(self._heartbeats, WorkerHeartbeat, on_heartbeat, stop)
+        await self._watch(self.subjects.heartbeats_bucket, WorkerHeartbeat, on_heartbeat, stop)
 
     # ------------------------------------------------------------------ controller outlook
 
     async def put_outlook(self, outlook: ControlOutlook) -> None:
-        assert self._control is not None, "call ensure() first"
-        await self._put(self._control, alias_key(outlook.alias), self._encode(outlook))
+        await self._put(self.subjects.control_bucket, alias_key(outlook.alias), self._encode(outlook))
 
     async def outlooks(self) -> dict[str, ControlOutlook]:
-        assert self._control is not None, "call ensure() first"
-        return {o.alias: o for o in await self._latest(self._control, ControlOutlook)}
+        try:
+            control = await self._bound(self.subjects.control_bucket)
+        except BucketNotFoundError:
+            return {}
+        return {o.alias: o for o in await self._latest(control, ControlOutlook)}
 
     # ------------------------------------------------------------------ metric windows
 
@@ -209,8 +234,8 @@ class TelemetryBus:
             reconnects = self.nc.stats["reconnects"]
             sub = None
             try:
-                sub = await self.js.subscribe(self.subjects.all_windows, ordered_consumer=True, config=config,
-                                              cb=enqueue)
+                sub = await self.js.subscribe(self.subjects.all_windows, stream=self.subjects.windows_stream,
+                                              ordered_consumer=True, config=config, cb=enqueue)
                 outage.succeeded()
                 backoff.reset()
                 while not stop.is_set() and self.nc.stats["reconnects"] == reconnects:
@@ -236,20 +261,23 @@ class TelemetryBus:
         start = since - timedelta(microseconds=1) if since.microsecond == 0 else since
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME,
                                 opt_start_time=start.astimezone(timezone.utc).isoformat().replace("+00:00", "Z"))
-        sub = await self.js.pull_subscribe(self.subjects.all_windows, durable=None, config=config)
+        # A push consumer, not a pull one: a pull request's messages go to whatever reply subject the requester
+        # names, so a reader allowed to pull from the windows (the gateway, which writes them) could hand them
+        # to any subject a stream captures (docs/security.md).
+        sub = await self.js.subscribe(self.subjects.all_windows, stream=self.subjects.windows_stream,
+                                      ordered_consumer=True, config=config)
         found: list[GatewayWindow] = []
         try:
             while True:
                 try:
-                    messages = await sub.fetch(500, timeout=1.0)
+                    msg = await sub.next_msg(timeout=1.0)
                 except (NatsTimeout, asyncio.TimeoutError):
                     break
-                for msg in messages:
-                    window = await self._decode(msg.data, GatewayWindow, msg.subject)
-                    if window and (alias is None or window.alias == alias) and since <= window.window_end \
-                            and (until is None or window.window_end <= until):
-                        found.append(window)
-                if messages and messages[-1].metadata.num_pending == 0:
+                window = await self._decode(msg.data, GatewayWindow, msg.subject)
+                if window and (alias is None or window.alias == alias) and since <= window.window_end \
+                        and (until is None or window.window_end <= until):
+                    found.append(window)
+                if msg.metadata.num_pending == 0:
                     break
         finally:
             with contextlib.suppress(Exception):
@@ -303,13 +331,14 @@ class TelemetryBus:
             await watcher.stop()
         return found
 
-    async def _watch(self, kv: KeyValue, kind: type[T], on_message: Callable[[T], None], stop: asyncio.Event) -> None:
+    async def _watch(self, bucket: str, kind: type[T], on_message: Callable[[T], None], stop: asyncio.Event) -> None:
         """Each key's current value, then every change, until `stop`; watched afresh after a reconnection or a failure."""
-        outage, backoff = Outage(f"watching {kv._name}", log), Backoff(cap_s=2.0)
+        outage, backoff = Outage(f"watching {bucket}", log), Backoff(cap_s=2.0)
         while not stop.is_set():
             reconnects = self.nc.stats["reconnects"]
             watcher = None
             try:
+                kv = await self._bound(bucket)
                 watcher = await kv.watchall()
                 outage.succeeded()
                 backoff.reset()
@@ -325,16 +354,17 @@ class TelemetryBus:
                         on_message(message)
             except Exception as exc:
                 outage.failed(exc)
+                self._buckets.pop(bucket, None)  # bound afresh: a restarted server may have lost it
                 await backoff.wait(stop)
             finally:
                 if watcher is not None:
                     with contextlib.suppress(Exception):
                         await watcher.stop()
 
-    async def _put(self, kv: KeyValue, key: str, value: bytes) -> None:
-        """Put a latest value; a bucket a restarted server lost is declared again first."""
+    async def _put(self, bucket: str, key: str, value: bytes) -> None:
+        """Put a latest value; a bucket a restarted server lost is declared (or bound) again first."""
         try:
-            await kv.put(key, value)
+            await (await self._bound(bucket)).put(key, value)
         except (NoRespondersError, NoStreamResponseError, NotFoundError, BucketNotFoundError):
-            await self.ensure(self._replicas)
-            await kv.put(key, value)
+            self._buckets.pop(bucket, None)
+            await (await self._bound(bucket)).put(key, value)

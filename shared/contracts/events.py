@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validat
 from shared.contracts.backends import Action, BackendType, EngineKind, CommandOutcome, Role
 from shared.contracts.config import AliasConfig, split_legacy_policy
 from shared.contracts.control import AliasSnapshot, Decision, MetricWindow
-from shared.contracts.messages import Event, Registry, from_the_log
+from shared.contracts.messages import Event, Registry, derived_id, from_the_log
 from shared.contracts.states import (
     InstanceState,
     RoutingState,
@@ -168,6 +168,11 @@ class OperatorAction(str, Enum):
     RESUME = "resume"
 
 
+def operator_event_id(command_id: uuid.UUID) -> uuid.UUID:
+    """The id of the `OperatorCommanded` that records an instance action, from its command's: the command's cause."""
+    return derived_id(command_id, "operator")
+
+
 INSTANCE_ACTIONS = {OperatorAction.DRAIN: Action.DRAIN, OperatorAction.SLEEP: Action.SLEEP,
                     OperatorAction.WAKE: Action.WAKE, OperatorAction.DELETE: Action.DELETE}
 """The operator actions sent to an instance's worker, as the worker's command."""
@@ -176,14 +181,20 @@ INSTANCE_ACTIONS = {OperatorAction.DRAIN: Action.DRAIN, OperatorAction.SLEEP: Ac
 class OperatorCommanded(Event):
     """An operator's action on an alias or one of its instances, with who asked and why.
 
-    An instance action is sent to the instance's worker as the controller's commands
-    are, this event its cause (the worker records the change with the operator's
-    reason). A pause or a pin changes what the controller may do: it is in every
-    later snapshot (`OperatorHold`), so the decisions made under it, and their
-    verification by `replay --verify-decisions`, say why.
+    An instance action is a command for the instance's worker, in flight from the
+    moment it is recorded (the alias's control row holds it until its outcome is in
+    the log); the autoscaler sends it, this event its cause, as it sends its own (the
+    gateway that records it may not publish commands: docs/security.md), and the
+    worker records the change with the operator's reason. A pause or a pin changes
+    what the controller may do: it is in every later snapshot (`OperatorHold`), so
+    the decisions made under it, and their verification by `replay
+    --verify-decisions`, say why.
+
+    v2: `worker_id`, the instance's worker when an instance action was recorded.
     """
 
     TYPE = "OperatorCommanded"
+    VERSION = 2
     CATEGORY = "alias"
     alias: str
     action: OperatorAction
@@ -194,7 +205,9 @@ class OperatorCommanded(Event):
     min_replicas: int | None = Field(default=None, ge=0)
     level: int | None = Field(default=None, ge=1, le=2, description="sleep level")
     command_id: uuid.UUID | None = None
-    """The command sent to the instance's worker (instance actions)."""
+    """The command for the instance's worker (instance actions)."""
+    worker_id: str | None = None
+    """The instance's worker (instance actions)."""
 
     def stream_key(self) -> str:
         return self.alias
@@ -472,6 +485,7 @@ def event_registry() -> Registry:
     registry.fields_added(AliasConfigured.TYPE, 3)  # and v3 ones valid v4 ones (the router's preset)
     registry.fields_added(AliasConfigured.TYPE, 4)  # and v4 ones valid v5 ones (the hybrid's own parameters)
     registry.fields_added(PolicyDecided.TYPE, 2)  # a v2 snapshot is one without operators' holds
+    registry.fields_added(OperatorCommanded.TYPE, 1, "worker_id")
 
     @registry.upcaster(PolicyDecided.TYPE, 1)
     def _settings_split(payload: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from shared.contracts.backends import Action, CommandOutcome
 from shared.contracts.control import OperatorHold, StartFailure
 from shared.contracts.events import (
     EVENTS,
+    INSTANCE_ACTIONS,
     AliasConfigured,
     InstanceCommandCompleted,
     InstanceLoadReported,
@@ -226,6 +227,12 @@ def _control_alias_event(rows: dict[str, ControlRow], e: Any, at: datetime) -> I
         row = row._replace(policy=e.policy, state=e.decision.state, decided_at=e.decided_at, pending=pending)
     elif isinstance(e, OperatorCommanded):
         row = row._replace(operator=held(row.operator, e))
+        if e.action in INSTANCE_ACTIONS and e.command_id and e.instance_id and e.backend_type:
+            # In flight from now on, as the controller's own are: the autoscaler sends it, and holds the
+            # instance's other commands back until its outcome is in the log.
+            row = row._replace(pending={**row.pending, str(e.command_id): PendingCommandRow(
+                INSTANCE_ACTIONS[e.action], e.backend_type, e.instance_id, e.worker_id, e.level or 0, at, False,
+                None, f"{e.operator}: {e.reason}")})
     rows[e.alias] = row
     return (e.alias,)
 

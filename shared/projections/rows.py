@@ -220,11 +220,15 @@ class PendingCommandRow(NamedTuple):
     acked: bool
     """Its receiver has it (a start's placement was requested, another command's instance moved)."""
     role: Role | None = None
+    operator: str | None = None
+    """An operator's command (`OperatorCommanded`): who asked and why, as its worker records it; None for the
+    controller's own."""
 
     @classmethod
     def from_json(cls, c: Mapping[str, Any]) -> "PendingCommandRow":
         return cls(Action(c["action"]), BackendType(c["backend"]), c["instance_id"], c["worker_id"], c["level"] or 0,
-                   _when(c["issued_at"]), c["acked"], Role(c["role"]) if c.get("role") else None)  # type: ignore[arg-type]
+                   _when(c["issued_at"]), c["acked"], Role(c["role"]) if c.get("role") else None,  # type: ignore[arg-type]
+                   c.get("operator"))
 
 
 class InstanceNote(NamedTuple):

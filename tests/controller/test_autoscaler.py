@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -23,7 +24,8 @@ from shared.contracts.states import InstanceState, RoutingState
 from shared.projections.rows import InstanceRow
 from shared.contracts.commands import PlaceInstance, StartInstance
 from shared.configuration import load_pool_config
-from shared.contracts.events import PolicyDecided, WorkerRegistered, event_registry
+from shared.contracts.events import (OperatorAction, OperatorCommanded, PolicyDecided, WorkerRegistered, event_registry,
+                                     operator_event_id)
 from shared.contracts.messages import Envelope
 from shared.contracts.telemetry import DemandSignal, WorkerHeartbeat
 from shared.eventlog.lease import AdvisoryLease
@@ -192,6 +194,51 @@ async def test_the_control_view_counts_the_alias_stream_and_tracks_commands_unti
     assert row.version == await store.stream_version("alias:tiny")
     (pending,) = row.pending.values()
     assert pending.action is Action.START and pending.acked is False
+
+
+def operator_sleep(command_id: uuid.UUID, instance_id: str) -> Envelope:
+    """An operator's sleep as the gateway records it: the command's id and the instance's worker; nothing sent."""
+    return Envelope.wrap(OperatorCommanded(
+        alias="tiny", action=OperatorAction.SLEEP, operator="ops-dana", reason="free the GPU", instance_id=instance_id,
+        backend_type=BackendType.VLLM, level=1, command_id=command_id, worker_id="w1"), id=operator_event_id(command_id))
+
+
+async def test_an_operator_action_recorded_in_the_log_is_sent_by_the_autoscaler_once_across_a_restart(
+        store, bus, settings, telemetry, telemetry_bus, pool_file):
+    queue = await bus.js.pull_subscribe(bus.subjects.worker_commands("w1"), durable=None,
+                                        stream=bus.subjects.commands_stream)
+    # Recorded while no autoscaler ran: the first one to lead sends it, the event its cause.
+    first = uuid.uuid4()
+    (cause,) = await store.append("alias:tiny", [operator_sleep(first, "tiny-slow-1")])
+    c = controller(store, bus, settings, telemetry, telemetry_bus, pool_file, tick_s=60.0)
+    stop = asyncio.Event()
+    task = await running(c, stop)
+    (msg,) = await fetch(queue, 1, timeout=10)
+    envelope = Envelope.model_validate_json(msg.data)
+    assert (envelope.type, envelope.id, envelope.causation_id) == ("SleepInstance", first, cause.id)
+    assert envelope.payload["reason"] == "operator ops-dana: free the GPU" and envelope.payload["level"] == 1
+    assert envelope.payload["instance_id"] == "tiny-slow-1" and msg.headers[h.MSG_ID] == str(first)
+    assert c.view[CONTROL]["tiny"].pending[str(first)].operator == "ops-dana: free the GPU"  # in flight
+
+    # One recorded while it leads is sent as soon as the relay announces it, not at the next (60 s) tick.
+    second = uuid.uuid4()
+    (stored,) = await store.append("alias:tiny", [operator_sleep(second, "tiny-slow-2")])
+    await bus.nc.publish(bus.subjects.event(stored.stream_id, stored.type), stored.model_dump_json().encode())
+    (msg,) = await fetch(queue, 1, timeout=5)
+    assert Envelope.model_validate_json(msg.data).id == second
+    stop.set()
+    await task
+
+    # A new leader (a restart) sends both again, as neither has an outcome in the log: their worker gets each
+    # once (JetStream drops a copy by its id; past its window the worker's markers would).
+    again = controller(store, bus, settings, telemetry, telemetry_bus, pool_file, tick_s=0.3)
+    stop = asyncio.Event()
+    task = await running(again, stop)
+    await eventually(lambda: again.ticks >= 3, timeout=10)
+    stop.set()
+    await task
+    assert {str(first), str(second)} <= {str(cid) for cid in again.sent_at}
+    assert await fetch(queue, 2, timeout=1) == []
 
 
 HETERO = """

@@ -1,4 +1,5 @@
-"""The admin API: its own port and token; status, history, instances, and a drain that reaches the worker."""
+"""The admin API: its own port and token; status, history, instances, and a drain recorded that the autoscaler
+sends to the worker."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ import json
 import uuid
 
 import httpx
+import pytest
 from gateway_support import ALIAS, FAST
 from helpers import eventually
+from nats.js.errors import NotFoundError
+
+from services.autoscaler.controller import Controller
+from shared.contracts.config import PoolConfig
+from shared.eventlog.lease import AdvisoryLease
 
 from shared.contracts.states import InstanceState as I, RoutingState as R
 from shared.net import free_port
@@ -76,8 +83,19 @@ async def test_the_admin_api_answers_only_its_token_on_its_own_port_and_drains_t
     assert unexplained.status_code == 404 and unexplained.json()["error"]["code"] == "no_access_log"
     assert no_sleep.status_code == 409 and no_sleep.json()["error"]["code"] == "unsupported_action"  # llama.cpp
 
-    # The drain is in the log with who and why, and on its way to the instance's worker as its cause.
+    # The drain is in the log with who and why, its command's id and the instance's worker; the gateway sent
+    # nothing (it may not publish commands): the autoscaler sends it to the worker, the event its cause.
     ctx = gateway.ctx
+    assert drained.json()["sent_by"] == "autoscaler"
+    with pytest.raises(NotFoundError):
+        await ctx.js.get_last_msg(ctx.subjects.commands_stream, ctx.subjects.worker_commands("w1"))
+    autoscaler = Controller(store=ctx.store, engine=ctx.engine, js=ctx.js, subjects=ctx.subjects,
+                            telemetry=ctx.telemetry, telemetry_bus=ctx.telemetry_bus,
+                            lease=AdvisoryLease(ctx.settings.asyncpg_dsn, ctx.settings.namespace, "autoscaler"),
+                            pool=PoolConfig(), tick_s=1.0, worker_timeout_s=10.0)
+    await autoscaler.view.load()
+    assert await autoscaler.send_operator_commands() == 1
+    assert await autoscaler.send_operator_commands() == 0  # once
     message = await ctx.js.get_last_msg(ctx.subjects.commands_stream, ctx.subjects.worker_commands("w1"))
     command = json.loads(message.data)
     assert command["type"] == "DrainInstance" and command["id"] == drained.json()["command_id"]
@@ -86,6 +104,7 @@ async def test_the_admin_api_answers_only_its_token_on_its_own_port_and_drains_t
     recorded = await ctx.store.get(uuid.UUID(drained.json()["event_id"]))
     assert recorded.type == "OperatorCommanded" and recorded.stream_id == f"alias:{ALIAS}"
     assert recorded.payload["operator"] == "ops-anna" and command["causation_id"] == str(recorded.id)
+    assert recorded.payload["command_id"] == command["id"] and recorded.payload["worker_id"] == "w1"
 
 
 async def test_pauses_and_pins_are_recorded_and_the_console_reads_them_back(engines, facts, gateways, tmp_path):

@@ -44,7 +44,7 @@ def test_the_compose_file_names_the_official_images_behind_variables() -> None:
             if name not in ("nats", "postgres", "migrate", "prometheus", "credentials", "database-roles")]
     assert sorted(ours) == sorted(SERVICES)
     # The cluster secret: made once in its volume, which only the gateway and the worker mount.
-    assert services["credentials"]["command"] == ["modelpool", "credentials", "/credentials"]
+    assert services["credentials"]["command"][:3] == ["modelpool", "credentials", "/credentials"]
     holders = {name for name, s in services.items() if any(v.startswith("credentials:") for v in s.get("volumes", []))}
     assert holders == {"credentials", "gateway", "worker"}
     for name in ("gateway", "worker"):
@@ -59,6 +59,14 @@ def test_the_compose_file_names_the_official_images_behind_variables() -> None:
         env = services[name]["environment"]
         assert env["DATABASE_URL"] == "postgresql://modelpool_service@postgres:5432/modelpool", name
         assert env["MODELPOOL_DATABASE_PASSWORD_FILE"] == "/db-credentials/service-password", name
+    # The bus's users: NATS runs with their list; each service mounts its own user's volume, and no other.
+    assert "/etc/nats/users/nats-server.conf" in services["nats"]["command"]
+    users = {"migrate": "operator", "worker": "worker-worker-1", **{name: name for name in ours if name != "worker"}}
+    for name, user in users.items():
+        mounted = [v for v in services[name]["volumes"] if v.startswith("nats-")]
+        assert mounted == [f"nats-{user.removeprefix('worker-')}:/nats-credentials:ro"], name
+        assert services[name]["environment"]["MODELPOOL_NATS_CREDENTIALS_FILE"] == "/nats-credentials/nats.json"
+        assert f"nats-{user.removeprefix('worker-')}:/credentials/nats/{user}" in services["credentials"]["volumes"]
     # Every service serves its own /metrics on the compose network, where Prometheus scrapes each of them.
     scraped = yaml.safe_load((REPO / "deploy" / "prometheus" / "compose.yml").read_text())["scrape_configs"]
     targets = {t for job in scraped for group in job["static_configs"] for t in group["targets"]}

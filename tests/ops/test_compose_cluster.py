@@ -68,6 +68,11 @@ def test_the_cluster_file_names_the_official_images_and_every_server_of_the_nats
     # The cluster secret: made once in its volume, which only the gateways and the workers mount.
     holders = {name for name, s in modelpool.items() if any(v.startswith("credentials:") for v in s.get("volumes", []))}
     assert holders == {"gateway-1", "gateway-2", "worker-1", "worker-2", "worker-3"}
+    # Each service mounts its own bus user's volume and no other; every NATS server knows the users.
+    for name, service in modelpool.items():
+        role = "operator" if name == "migrate" else name if name.startswith("worker-") else name.split("-")[0]
+        assert [v for v in service["volumes"] if v.startswith("nats-")] == [f"nats-{role}:/nats-credentials:ro"], name
+    assert all("/etc/nats/users/nats-server.conf" in services[s]["command"] for s in NATS_SERVERS)
     # Postgres: the migrations as the schema's owner, every service as the service role, passwords from files.
     for name, service in modelpool.items():
         env = service["environment"]

@@ -160,7 +160,18 @@ def test_the_shape_the_deployment_guide_describes(rendered: list[Doc]) -> None:
     assert by_name[("Job", "migrate")]["spec"]["template"]["spec"]["containers"][0]["command"] == ["modelpool", "migrate"]
     secrets = {e["valueFrom"]["secretKeyRef"]["name"] for c in containers(rendered) for e in c.get("env", [])
                if "secretKeyRef" in e.get("valueFrom", {})}
-    assert secrets == {"modelpool-credentials"}  # credentials only from the one Secret the guide creates
+    roles = {"relay", "projector", "placement", "autoscaler", "gateway", "worker", "operator"}
+    # Credentials only from the Secrets the guide creates: the pool's, and one per bus role.
+    assert secrets == {"modelpool-credentials", *(f"modelpool-nats-{role}" for role in roles)}
+    # Each workload is its own role's user on the bus, with that role's password and no other's.
+    for doc in (d for d in rendered if d["kind"] in WORKLOADS):
+        env = {e["name"]: e for e in pod_spec(doc)["containers"][0]["env"]}
+        role = "operator" if doc["metadata"]["name"] == "migrate" else doc["metadata"]["name"]
+        assert env["MODELPOOL_NATS_USER"]["value"] == role
+        assert env["MODELPOOL_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": f"modelpool-nats-{role}",
+                                                                              "key": "password"}
+        assert {e["valueFrom"]["secretKeyRef"]["name"] for e in env.values()
+                if "secretKeyRef" in e.get("valueFrom", {})} <= {"modelpool-credentials", f"modelpool-nats-{role}"}
 
 
 def test_postgres_logins_are_the_owner_for_migrations_and_the_service_role_for_services(rendered: list[Doc]) -> None:
@@ -196,7 +207,13 @@ def test_the_gpu_overlay_puts_workers_on_gpus_with_a_vllm_image() -> None:
     assert [v["name"] for v in spec["volumes"]] == ["tmp", "pool", "database-password", "cache"]
 
 
-def test_the_nats_values_keep_three_jetstream_servers() -> None:
+def test_the_nats_values_keep_three_jetstream_servers_with_the_bus_users() -> None:
     values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
     assert values["config"]["cluster"] == {"enabled": True, "replicas": 3}
     assert values["config"]["jetstream"]["enabled"] and values["config"]["jetstream"]["fileStore"]["pvc"]["enabled"]
+    # The users' list, from its Secret, mounted where the included path finds it.
+    included = values["config"]["merge"]["$include"]
+    (mount,) = [p["value"] for p in values["container"]["patch"] if p["value"]["name"] == "modelpool-users"]
+    (volume,) = [p["value"] for p in values["podTemplate"]["patch"] if p["value"]["name"] == "modelpool-users"]
+    assert included == "./modelpool-users/nats-server.conf" and mount["mountPath"] == "/etc/nats-config/modelpool-users"
+    assert volume["secret"]["secretName"] == "modelpool-nats-users"

@@ -23,6 +23,7 @@ import pytest
 from ops_processes import alive, cmdline, descendants, pids_mentioning, wait_gone
 
 from services.cluster import supervisor, up
+from shared.bus.auth import read_credentials_file
 from services.cluster.embedded import EmbeddedNats, EmbeddedPostgres
 from shared.net import free_port
 
@@ -187,9 +188,12 @@ def test_the_default_pool_serves_from_cold_and_operator_commands_find_the_cluste
     # The console is on: its token made at the first start, readable by its owner alone, named in the banner.
     token_file = data_dir / "admin-token"
     assert token_file.stat().st_mode & 0o777 == 0o600
-    # So are the cluster secret (engines' internal ports) and the file naming the servers (a DSN may hold a password).
-    for private in ("cluster-secret", "cluster.json"):
+    # So are the cluster secret (engines' internal ports) and the file naming the servers (a DSN may hold a password),
+    # and the bus's users: the request above went through a NATS that refuses a client without credentials.
+    for private in ("cluster-secret", "cluster.json", "nats-users/gateway.json", "nats-users/nats-server.conf"):
         assert (data_dir / private).stat().st_mode & 0o777 == 0o600, private
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await_once(nats.connect(json.loads((data_dir / "cluster.json").read_text())["nats_url"], allow_reconnect=False))
     assert f"console   http://127.0.0.1:{admin_port}/console" in cluster.output()
     token = token_file.read_text().strip()
     with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/console", timeout=10) as page:
@@ -208,6 +212,12 @@ def test_the_default_pool_serves_from_cold_and_operator_commands_find_the_cluste
                            capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
     assert "no modelpool schema" in wrong.stderr
+
+
+def await_once(coroutine):
+    import asyncio
+
+    return asyncio.run(coroutine)
 
 
 def watch_top(env: dict[str, str], cwd: Path) -> None:
@@ -285,11 +295,12 @@ async def test_killed_embedded_servers_come_back_on_their_port_with_their_data(
     cluster.wait_for("modelpool is starting:", timeout_s=READY_TIMEOUT_S)
     urls = json.loads((data_dir / "cluster.json").read_text())
     nats_url, database_url = urls["nats_url"], urls["database_url"]
-    stream = f"UP_{uuid.uuid4().hex[:8]}"
     table = f"up_{uuid.uuid4().hex[:8]}"
-    client = await nats.connect(nats_url)
-    await client.jetstream().add_stream(name=stream, subjects=[f"{stream}.>"])
-    await client.jetstream().publish(f"{stream}.kept", b"kept")
+    # The bus has users: an event published as the relay publishes them, into the stream the migrations declared.
+    relay = read_credentials_file(data_dir / "nats-users" / "relay.json").connect_options()
+    stream, subject = "MODELPOOL_EVENTS", f"modelpool.evt.test.Kept{uuid.uuid4().hex[:8]}"
+    client = await nats.connect(nats_url, **relay)
+    await client.jetstream().publish(subject, b"kept")
     await client.close()
     # As the owner of the database: the service role may create nothing.
     owner_url = database_url.replace("modelpool_service@", "modelpool_owner@")
@@ -302,8 +313,8 @@ async def test_killed_embedded_servers_come_back_on_their_port_with_their_data(
     os.kill(nats_server, signal.SIGKILL)
     cluster.wait_for("[up] NATS exited with code -9; restarting it in 1 s (restart 1)")
     cluster.wait_for(f"[up] NATS is back on {nats_url}")
-    client = await nats.connect(nats_url)
-    assert (await client.jetstream().stream_info(stream)).state.messages == 1
+    client = await nats.connect(nats_url, **relay)
+    assert (await client.jetstream().stream_info(stream, subjects_filter=subject)).state.subjects == {subject: 1}
     await client.close()
 
     postmaster = int((data_dir / "postgres" / "pgdata" / "postmaster.pid").read_text().split()[0])

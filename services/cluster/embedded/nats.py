@@ -38,6 +38,8 @@ class EmbeddedNats(EmbeddedServer):
 
     `port=0` picks a free port on the first start. After `start()`, `url` is
     `nats://127.0.0.1:PORT` and JetStream has reported healthy on the monitoring endpoint.
+    `config`: a configuration file the server reads first (the bus's users, `shared/bus/users.py`: then it refuses
+    clients without credentials); the command line's address, ports and store win over it.
     """
 
     name = "nats-server"
@@ -52,8 +54,10 @@ class EmbeddedNats(EmbeddedServer):
         startup_timeout_s: float = 30.0,
         stop_timeout_s: float = 10.0,
         die_with_parent: bool = True,
+        config: Path | str | None = None,
     ) -> None:
         super().__init__()
+        self.config = Path(config).absolute() if config is not None else None
         self.die_with_parent = die_with_parent
         self.data_dir = Path(data_dir).absolute()
         self.requested_port = port
@@ -88,6 +92,7 @@ class EmbeddedNats(EmbeddedServer):
                 self.monitor_port = monitor_port or free_port()
                 argv = [
                     str(binary),
+                    *(["--config", str(self.config)] if self.config is not None else []),
                     "--addr", LOCALHOST,
                     "--port", str(self.port),
                     "--http_port", str(self.monitor_port),
