@@ -308,7 +308,8 @@ def test_compose_credentials_go_each_to_its_own_directory_readable_by_its_owner(
                                                                                capsys: pytest.CaptureFixture[str]) -> None:
     from services.ops import credentials
 
-    argv = [str(tmp_path / "cluster"), "--database", str(tmp_path / "db"), "--database-admin", str(tmp_path / "admin")]
+    argv = [str(tmp_path / "cluster"), "--no-nats", "--database", str(tmp_path / "db"), "--database-admin",
+            str(tmp_path / "admin")]
     assert credentials.main(argv) == 0
     made = {path.relative_to(tmp_path).as_posix(): path.read_text() for path in tmp_path.rglob("*") if path.is_file()}
     assert set(made) == {"cluster/cluster-secret", "db/service-password", "admin/superuser-password",
