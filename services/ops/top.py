@@ -78,14 +78,43 @@ class Live:
         self.nc = self.bus = None
 
 
-async def gather(engine: AsyncEngine, live: Live, namespace: str) -> dict[str, Any]:
+class LiveFeed:
+    """The live facts read again in the background: a frame shows the latest read and never waits for the bus
+    (a key-value read can take a second or two while values change under it), except the first."""
+
+    def __init__(self, live: Live, interval_s: float) -> None:
+        self.live = live
+        self.interval_s = interval_s
+        self.latest: dict[str, Any] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def current(self) -> dict[str, Any]:
+        if self.latest is None:
+            self.latest = await self.live.read()
+            self._task = asyncio.create_task(self._refresh())
+        return self.latest
+
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.latest = await self.live.read()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.live.close()
+
+
+async def gather(engine: AsyncEngine, live: LiveFeed, namespace: str) -> dict[str, Any]:
     """One frame's facts; what could not be read says why instead."""
     try:
         frame = await read_status(engine, namespace)
         frame["decisions"] = await latest_decisions(engine)
     except Exception as exc:  # Postgres is away: the frame says so, the next one tries again
         frame = {"namespace": namespace, "error": str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__}
-    frame["live"] = await live.read()
+    frame["live"] = await live.current()
     return frame
 
 
@@ -142,7 +171,7 @@ def _next(outlooks: dict[str, Any], alias: dict[str, Any], now: datetime) -> str
 async def run(settings: Settings, interval_s: float, frames: int | None, write: Callable[[str], None],
               size: Callable[[], tuple[int, int]]) -> None:
     engine = create_engine(settings, pool_size=1)
-    live = Live(settings)
+    live = LiveFeed(Live(settings), interval_s)
     try:
         shown = 0
         while frames is None or shown < frames:
