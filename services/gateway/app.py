@@ -211,7 +211,8 @@ class Gateway:
                 body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
             prompt = read_prompt(routed.model, body, request.headers.get(SESSION_HEADER))
             tokens = self.router.tokens.tokens(routed.model, prompt.size_bytes)
-            trace = RequestTrace(self.meter.of(routed.model), self.clock)
+            # Its completion is charged as it streams, from the trace made below once it is admitted (a refused
+            # request is no arrival the controller should count).
             quota = self.quotas.enter(caller.limits, routed.model, tokens, lambda: trace.content_chunks)
         except APIError as exc:
             if exc.status in (403, 429):
@@ -221,6 +222,7 @@ class Gateway:
             log_access({"request_id": request_id, "path": path, "status": exc.status, "outcome": "rejected",
                         "error": exc.body.error.code})
             return response
+        trace = RequestTrace(self.meter.of(routed.model), self.clock)
         ctx = RequestContext(
             request_id, routed.model, path, body, orjson.dumps(body), routed.stream, routed.include_usage,
             Ask(prompt, tokens, tenancy=caller.tenancy), trace,
@@ -243,8 +245,12 @@ class Gateway:
             waits.append(wait)
         if not waits:
             return None
-        if len(aliases) == 1:  # counted as the alias's queue would have
-            self.metrics.request(next(iter(aliases)), "none", RequestOutcome.QUEUE_FULL.value, 429)
+        if len(aliases) == 1:  # counted as the alias's queue would have: demand the controller sees, refused
+            alias = next(iter(aliases))
+            self.metrics.request(alias, "none", RequestOutcome.QUEUE_FULL.value, 429)
+            meter = self.meter.of(alias)
+            meter.arrivals += 1
+            meter.errors_gateway += 1
         # The body is not buffered: the HTTP parser drops it as it comes, and the connection serves on.
         names = ", ".join(f"`{alias}`" for alias in sorted(aliases))
         return too_many_requests(f"the queue of every model this key may use is full ({names}); "
