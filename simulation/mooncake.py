@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.contracts.mooncake import BLOCK_TOKENS, MooncakeRequest
-from shared.contracts.trace import TraceRequest
+from shared.contracts.mooncake import BLOCK_TOKENS, MooncakeRequest, reuse_bound
+from shared.contracts.trace import SHARED_PREFIX_TOKENS, TraceRequest
 
 TICK_MS = 3000
 """The released files' arrivals fall on three-second ticks."""
@@ -157,8 +157,6 @@ def _pick_follow_up(rng: np.random.Generator, conversations: list[_Conversation]
 
 def statistics(requests: list[MooncakeRequest]) -> dict:
     """What a Mooncake trace looks like, for a reader to set beside the published figures."""
-    from shared.contracts.mooncake import reuse_bound
-
     reusable, total = reuse_bound(requests)
     span_s = (requests[-1].timestamp - requests[0].timestamp) / 1000 if requests else 0.0
     return {"requests": len(requests), "span_s": round(span_s, 1),
@@ -174,8 +172,6 @@ def agentic_to_mooncake(requests: list[TraceRequest], block: int = BLOCK_TOKENS)
     """The agentic trace as Mooncake requests: open-loop arrivals (each session's offset plus its tool times, as
     if answers were instant), a turn's prompt its predecessor's prompt and answer plus its new input, blocked so
     that what a session's turns share, and the shared system prompts, carry the same ids."""
-    from services.ops.trace_replay import SHARED_PREFIX_TOKENS
-
     next_id = 0
     shared_ids: dict[str, list[int]] = {}
     state: dict[str, tuple[list[int], int, float]] = {}  # session: full blocks so far, tokens, due (s)

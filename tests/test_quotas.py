@@ -57,7 +57,7 @@ def test_tokens_per_minute_count_prompts_at_once_and_completions_as_they_stream(
     assert error.body.error.code == "tpm_exceeded" and "used 700 tokens" in error.body.error.message
     streamed[0] = 500
     q.leave(ticket, (350, 500))  # the engine's count: 50 more prompt, 100 more completion than charged
-    assert sum(b[2] for b in q.ledgers["k"].seconds) == 850
+    assert sum(b.tokens for b in q.ledgers["k"].seconds) == 850
     q.enter(limits, "chat", 150, lambda: 0)  # exactly the limit
     too_big = refusal(lambda: quotas(Clock()).enter(limits, "chat", 1001, lambda: 0))
     assert "allows at all" in too_big.body.error.message

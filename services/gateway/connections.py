@@ -19,6 +19,7 @@ passes 64 KiB, so what a slow client costs is bounded by these three.
 from __future__ import annotations
 
 import asyncio
+from http import HTTPStatus
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -28,9 +29,8 @@ from shared.openai_protocol import APIError
 
 def _response(error: APIError) -> bytes:
     body = orjson.dumps(error.to_dict())
-    reason = {408: b"Request Timeout", 503: b"Service Unavailable"}[error.status]
-    head = [b"HTTP/1.1 %d %s" % (error.status, reason), b"content-type: application/json",
-            b"content-length: %d" % len(body), b"connection: close"]
+    head = [b"HTTP/1.1 %d %s" % (error.status, HTTPStatus(error.status).phrase.encode()),
+            b"content-type: application/json", b"content-length: %d" % len(body), b"connection: close"]
     head += [f"{name}: {value}".encode() for name, value in error.headers.items()]
     return b"\r\n".join(head) + b"\r\n\r\n" + body
 

@@ -20,6 +20,7 @@ stop counting after `STALE_S` (they ended with it).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -27,6 +28,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Literal
 
 from shared.contracts.config import TenantKey, key_id
 from shared.contracts.telemetry import KeyUsage, KeyUsageSecond, UsageReport
@@ -62,32 +64,46 @@ class KeyLimits:
         return not self.aliases or alias in self.aliases
 
 
+Use = Literal["requests", "tokens", "sessions"]
+
+
+@dataclass(slots=True)
+class Second:
+    """What a key used through this replica in one wall-clock second (the mutable twin of `KeyUsageSecond`)."""
+
+    second: int
+    requests: int = 0
+    tokens: int = 0
+    sessions: int = 0
+
+
 class Ledger:
     """One key's use through one replica: the last minute's seconds, and its requests under way."""
 
     __slots__ = ("seconds", "in_flight")
 
     def __init__(self) -> None:
-        self.seconds: deque[list[int]] = deque()
-        """[second, requests, tokens, sessions], oldest first."""
+        self.seconds: deque[Second] = deque()
+        """Oldest first."""
         self.in_flight = 0
 
     def add(self, second: int, requests: int = 0, tokens: int = 0, sessions: int = 0) -> None:
-        if not self.seconds or self.seconds[-1][0] < second:
-            self.seconds.append([second, 0, 0, 0])
+        if not self.seconds or self.seconds[-1].second < second:
+            self.seconds.append(Second(second))
         bucket = self.seconds[-1]
-        bucket[1] += requests
-        bucket[2] += tokens
-        bucket[3] += sessions
+        bucket.requests += requests
+        bucket.tokens += tokens
+        bucket.sessions += sessions
 
     def trim(self, now: int) -> None:
-        while self.seconds and self.seconds[0][0] <= now - WINDOW_S:
+        while self.seconds and self.seconds[0].second <= now - WINDOW_S:
             self.seconds.popleft()
 
     def usage(self, now: int) -> KeyUsage:
         self.trim(now)
         return KeyUsage(in_flight=self.in_flight, seconds=[
-            KeyUsageSecond(second=s, requests=r, tokens=t, sessions=n) for s, r, t, n in self.seconds])
+            KeyUsageSecond(second=b.second, requests=b.requests, tokens=b.tokens, sessions=b.sessions)
+            for b in self.seconds])
 
 
 @dataclass(slots=True)
@@ -109,7 +125,6 @@ class Ticket:
     """Completion tokens streamed so far (the request's content chunks)."""
     charged: int = 0
     """Completion tokens charged so far."""
-    open: bool = True
 
 
 def over_limit(limit: str, message: str, retry_after_s: float) -> APIError:
@@ -162,14 +177,14 @@ class Quotas:
                 raise over_limit("max_concurrent", f"this API key has {in_flight} requests under way, its limit "
                                  f"`max_concurrent` ({limits.max_concurrent}); retry when one ends", 1)
         if limits.rpm is not None:
-            requests = self._minute(limits.key_id, ledger, 1, second)
+            requests = self._minute(limits.key_id, ledger, "requests", second)
             used = sum(r for _, r in requests)
             if used >= limits.rpm:
                 raise over_limit("rpm", f"this API key sent {used} requests in the last minute, its limit `rpm` "
                                  f"({limits.rpm} requests per minute)",
                                  _wait_for(requests, used - limits.rpm + 1, now))
         if limits.tpm is not None:
-            tokens = self._minute(limits.key_id, ledger, 2, second)
+            tokens = self._minute(limits.key_id, ledger, "tokens", second)
             used = sum(t for _, t in tokens)
             if prompt_tokens > limits.tpm:
                 raise over_limit("tpm", f"this request's prompt is about {prompt_tokens} tokens, more than this API "
@@ -189,7 +204,7 @@ class Quotas:
         limit = ticket.limits.sessions_per_minute
         second = int(self.wall())
         if limit is not None:
-            bound = sum(n for _, n in self._minute(ticket.limits.key_id, ticket.ledger, 3, second))
+            bound = sum(n for _, n in self._minute(ticket.limits.key_id, ticket.ledger, "sessions", second))
             if bound >= limit:
                 return False
         ticket.ledger.add(second, sessions=1)
@@ -198,10 +213,9 @@ class Quotas:
     def leave(self, ticket: Ticket, usage: tuple[int, int] | None) -> None:
         """The request ended: its place under `max_concurrent` is free, and its tokens are set right from the
         engine's count (the prompt was an estimate; the completion was charged as it streamed)."""
-        if not ticket.open:
-            return
-        ticket.open = False
-        self.tickets.discard(ticket)
+        if ticket not in self.tickets:
+            return  # left already
+        self.tickets.remove(ticket)
         ticket.ledger.in_flight -= 1
         completion = usage[1] if usage is not None else ticket.consumed()
         prompt_error = usage[0] - ticket.prompt_tokens if usage is not None else 0
@@ -255,21 +269,14 @@ class Quotas:
         return sum(usage.in_flight for heard in self.heard.values() if now - heard.at <= STALE_S
                    if (usage := heard.keys.get(key)) is not None)
 
-    def _minute(self, key: str, ledger: Ledger, column: int, now: int) -> list[tuple[int, int]]:
-        """The key's use of one kind (1 requests, 2 tokens, 3 sessions) per second over the last minute, every
-        replica's, oldest first."""
+    def _minute(self, key: str, ledger: Ledger, use: Use, now: int) -> list[tuple[int, int]]:
+        """The key's `use` per second over the last minute, every replica's, oldest first."""
         ledger.trim(now)
         since = now - WINDOW_S
         per_second: dict[int, int] = {}
-        for bucket in ledger.seconds:
-            if bucket[column]:
-                per_second[bucket[0]] = bucket[column]
-        for heard in self.heard.values():
-            usage = heard.keys.get(key)
-            if usage is None:
-                continue
-            for s in usage.seconds:
-                amount = (s.requests, s.tokens, s.sessions)[column - 1]
-                if s.second > since and amount:
-                    per_second[s.second] = per_second.get(s.second, 0) + amount
+        heard = (usage.seconds for h in self.heard.values() if (usage := h.keys.get(key)) is not None)
+        for second in itertools.chain(ledger.seconds, *heard):
+            amount = getattr(second, use)
+            if second.second > since and amount:
+                per_second[second.second] = per_second.get(second.second, 0) + amount
         return sorted(per_second.items())

@@ -30,13 +30,9 @@ from shared.contracts.mooncake import BLOCK_TOKENS, MooncakeRequest, reuse_bound
 from shared.contracts.trace import TraceRequest
 
 @functools.lru_cache(maxsize=8192)
-def _block_words(block_id: int, words: int) -> str:
-    return " ".join(WORDS[i] for i in np.random.default_rng(block_id).integers(0, len(WORDS), words))
-
-
 def block_text(block_id: int, words: int) -> str:
     """The block's text, its first `words` words: the same for every request that names the block."""
-    return _block_words(block_id, words)
+    return " ".join(WORDS[i] for i in np.random.default_rng(block_id).integers(0, len(WORDS), words))
 
 
 def prompt_of(request: MooncakeRequest, block_tokens: int = BLOCK_TOKENS) -> str:

@@ -32,15 +32,11 @@ import httpx
 import orjson
 
 from services.ops.load import quantile
-from shared.contracts.trace import TraceRequest
+from shared.contracts.trace import SHARED_PREFIX_TOKENS, TraceRequest
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima",
          "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey")
 """New text: common words, about one token each for a real tokenizer as for the simulator's estimate."""
-
-
-SHARED_PREFIX_TOKENS = 1024
-"""Length of the system prompt sessions with the same `shared_prefix_id` share."""
 
 
 def new_text(session_id: str, turn: int, tokens: int) -> str:

@@ -37,20 +37,12 @@ import bcrypt
 from shared.bus.auth import BusCredentials, read_credentials_file
 from shared.bus.permissions import ROLES, SHARED_WORKER, Permissions, permissions, user_name
 from shared.bus.subjects import Subjects
+from shared.private_files import write_private
 
 SERVER_CONFIG = "nats-server.conf"
 BCRYPT_COST = 10
 """nats-server checks a bcrypt hash at every connection: 10 costs it tens of milliseconds per connection."""
 SUBJECT_TOKEN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-
-
-def write_private(path: Path, text: str) -> None:
-    """`text` in `path`, readable by its owner only, whatever the umask (its directory too, when made here)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
 
 
 CREDENTIALS_FILE = "nats.json"

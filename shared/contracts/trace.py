@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from shared.contracts.config import ConfigError
 
 TRACE_VERSION = 1
+SHARED_PREFIX_TOKENS = 1024
+"""Length of the system prompt that sessions naming the same `shared_prefix_id` share."""
 M = TypeVar("M", bound=BaseModel)
 
 

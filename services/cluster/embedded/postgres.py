@@ -20,6 +20,7 @@ from services.cluster.embedded.base import LOCALHOST, PORT_ATTEMPTS, EmbeddedSer
 from services.processes import Account, is_alive, kill_quietly, log_tail, processes_running, spawn, tied_to_us, wait_gone
 from shared.eventlog import roles
 from shared.internal_auth import make_secret_file
+from shared.private_files import write_private
 from shared.net import free_port
 from shared.settings import read_password
 
@@ -406,10 +407,7 @@ class EmbeddedPostgres(EmbeddedServer):
 
     def _write_pgpass(self) -> None:
         lines = [f"*:*:*:{login.user}:{login.password}" for login in (self.superuser, self.owner, self.service)]
-        fd = os.open(self.pgpass, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write("\n".join(lines) + "\n")
+        write_private(self.pgpass, "\n".join(lines) + "\n")
 
     def stop(self) -> None:
         self._stop(signal.SIGINT, self.stop_timeout_s)
