@@ -8,16 +8,18 @@ the trace replayed through it closed loop (`modelpool trace run`'s replayer).
 Fresh engines each time, so no router inherits another's caches.
 
 Routers: round-robin, least-load, kv-aware, sticky, affinity (EAR without
-migration), ear. Times are in the trace's seconds (wall seconds times the
+migration), ear-recompute (a moved session recomputes its context, as on vLLM)
+and ear (its KV moved along, as llama.cpp and the simulator can). Times are in the trace's seconds (wall seconds times the
 speedup); `t_cool_s` is given in trace seconds and divided by the speedup for
 the gateway.
 
-    .venv/bin/python bench/ear.py --plot docs/img/ear.png
+    .venv/bin/python bench/ear.py --repeats 3 --plot docs/img/ear.png
 
 Progress goes to stderr; the last line on stdout is the JSON summary, with the
-keys of the EAR issue: `apc_ear`, `apc_upper_bound`, `ttft_p90_s`,
-`worst_instance_ttft_p90_s`, `amplification` (each keyed by router),
-`migrations` and `thrash_sessions`.
+keys of the EAR issue: `apc_ear_recompute` and `apc_ear` (each also as a share
+of `apc_upper_bound`), `ttft_p90_s`, `worst_instance_ttft_p90_s`,
+`amplification` (each keyed by router), `migrations` and `thrash_sessions`
+(medians over the repeats), and per router every figure with its spread.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import json
 import secrets
+import statistics
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -42,6 +45,7 @@ from shared.contracts.events import event_registry  # noqa: E402
 from shared.contracts.trace import TraceRequest  # noqa: E402
 from shared.eventlog.db import create_engine  # noqa: E402
 from shared.eventlog.store import make_store  # noqa: E402
+from shared.internal_auth import SECRET_ENV  # noqa: E402
 from shared.net import free_ports  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 from simulation.agentic import AgenticShape, generate_agentic, io_ratio, skew  # noqa: E402
@@ -49,7 +53,7 @@ from simulation.agentic import AgenticShape, generate_agentic, io_ratio, skew  #
 from harness import BenchService, drop_namespace, record_running, wait_ready  # noqa: E402
 
 ALIAS = "agent"
-ROUTERS = ("round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear")
+ROUTERS = ("round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear-recompute", "ear")
 
 
 def say(message: str) -> None:
@@ -88,6 +92,8 @@ async def run_router(router: str, args: argparse.Namespace, replay: Replayer, re
     processes: list[BenchService] = []
     capacity = capacity or args.kv_cache_tokens // args.max_model_len  # what the worker reads from a vLLM engine
     plugin, move_kv = router.removesuffix("-recompute"), args.kv_moves and not router.endswith("-recompute")
+    # The engines' internal ports answer, and the gateway signs its KV moves, only with the cluster secret.
+    cluster = {SECRET_ENV: secrets.token_urlsafe(32)}
     try:
         engines: dict[str, tuple[str, str | None]] = {}
         ports = free_ports(2 * args.engines + 1)
@@ -99,7 +105,7 @@ async def run_router(router: str, args: argparse.Namespace, replay: Replayer, re
                 "--internal-port", str(internal_port), "--kv-transfer-gb-s", str(args.kv_transfer_gb_s),
                 "--speedup", str(args.speedup), "--startup-s", "0", "--seed", str(i),
                 "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-model-len", str(args.max_model_len),
-                "--d-1", str(args.d_1)], work))
+                "--d-1", str(args.d_1)], work, cluster))
         for (url, _), process in zip(engines.values(), processes):
             await wait_ready(f"{url}/health", process)
         config = AliasConfig.model_validate({
@@ -110,7 +116,7 @@ async def run_router(router: str, args: argparse.Namespace, replay: Replayer, re
         await record_running(settings, [(config, engines, capacity)])
         gateway_port = ports[-1]
         gateway = BenchService(f"{router}-gateway", [python, "-m", "services.cli", "gateway"], work, {
-            "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url, "MODELPOOL_NAMESPACE": settings.namespace,
+            **cluster, "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url, "MODELPOOL_NAMESPACE": settings.namespace,
             "MODELPOOL_GATEWAY_PORT": str(gateway_port), "MODELPOOL_GATEWAY_ID": "bench", "MODELPOOL_QUEUE_SIZE": "4096",
             "MODELPOOL_QUEUE_TIMEOUT_S": "600", "MODELPOOL_LOG_LEVEL": "WARNING",
             # Every new session bound: the bench measures routing, not the per-key bound on log writes.
@@ -128,6 +134,8 @@ async def run_router(router: str, args: argparse.Namespace, replay: Replayer, re
         async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
             summary, served = await replay(gateway_url, client, progress)
         summary.update(await migrations_of(settings, args.t_cool_s / args.speedup))
+        if move_kv and summary["migrations"] and not summary["kv_moves"]:
+            say(f"{router}: none of {summary['migrations']} moves carried its KV: see {work}/{router}-gateway.log")
         summary["served"] = served
         return summary
     finally:
@@ -185,6 +193,7 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=AgenticShape.alpha, help="Pareto shape of session lengths (skew)")
     parser.add_argument("--new-input-tokens", type=float, default=AgenticShape.new_input_tokens)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     ear_defaults(args)
     shape = AgenticShape(sessions=args.sessions, span_s=args.span_s, alpha=args.alpha,
@@ -192,31 +201,60 @@ def main() -> None:
     trace = generate_agentic(shape, args.seed)
     say(f"trace: {len(trace)} requests in {args.sessions} sessions, input/output {io_ratio(trace):.0f}, "
         f"top 1 % of sessions carry {skew(trace)[0.01]:.0%} of the input")
-    results: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {router: [] for router in args.routers.split(",")}
     with tempfile.TemporaryDirectory(prefix="bench-ear-") as tmp:
-        for router in args.routers.split(","):
-            say(f"{router}: {args.engines} engines, gateway, replay at {args.speedup:g}x")
-            r = results[router] = asyncio.run(run_router(router, args, agentic_replay(trace, args.speedup), len(trace),
-                                                         Path(tmp)))
-            say(f"{router}: TTFT p90 {r['ttft_s']['p90']} s, worst instance p90 {r['instance_ttft_p90_s']['max']} s, "
-                f"APC {r['apc']} of {r['apc_upper_bound_intra_session']}, amplification {r['amplification']}, "
-                f"{r['migrations']} migrations ({r['kv_moves']} with their KV), {r['failed']} failed")
+        for repeat in range(args.repeats):
+            for router in runs:
+                say(f"repeat {repeat + 1}, {router}: {args.engines} engines, gateway, replay at {args.speedup:g}x")
+                r = asyncio.run(run_router(router, args, agentic_replay(trace, args.speedup), len(trace), Path(tmp)))
+                runs[router].append(r)
+                say(f"{router}: TTFT p90 {r['ttft_s']['p90']} s, worst instance p90 {r['instance_ttft_p90_s']['max']} "
+                    f"s, APC {r['apc']} of {r['apc_upper_bound_intra_session']}, amplification {r['amplification']}, "
+                    f"{r['migrations']} migrations ({r['kv_moves']} with their KV), {r['failed']} failed")
     if args.plot:
-        plot(results, args.plot)
-    keyed = {router: {k: v for k, v in r.items() if k != "served"} for router, r in results.items()}
-    ear = keyed.get("ear", {})
+        plot({router: rs[0] for router, rs in runs.items()}, args.plot)
+    keyed = {router: [{k: v for k, v in r.items() if k != "served"} for r in rs] for router, rs in runs.items()}
+
+    def median(router: str, value: Callable[[dict], float | None]) -> float | None:
+        return spread([value(r) for r in keyed.get(router, [])])["median"]
+
+    bound = median("ear", lambda r: r["apc_upper_bound_intra_session"])
+    apc = {mode: median(mode, lambda r: r["apc"]) for mode in ("ear-recompute", "ear")}
     print(json.dumps({
         "engine": "simulated-vllm", "speedup": args.speedup, "engines": args.engines, "requests": len(trace),
         "sessions": args.sessions, "t_hot_tokens": args.t_hot_tokens, "t_cool_s": args.t_cool_s,
-        "apc_ear": ear.get("apc"), "apc_upper_bound": ear.get("apc_upper_bound_intra_session"),
-        "ttft_p90_s": {k: r["ttft_s"]["p90"] for k, r in keyed.items()},
-        "worst_instance_ttft_p90_s": {k: r["instance_ttft_p90_s"]["max"] for k, r in keyed.items()},
-        "amplification": {k: r["amplification"] for k, r in keyed.items()},
-        "migrations": ear.get("migrations"), "thrash_sessions": ear.get("thrash_sessions"),
-        "kv_moves": ear.get("kv_moves"), "kv_transfer_gb_s": args.kv_transfer_gb_s if args.kv_moves else None,
-        "runs": keyed,
+        "repeats": args.repeats, "apc_upper_bound": bound,
+        # vLLM's mode first: a moved session recomputes its context there.
+        "apc_ear_recompute": apc["ear-recompute"], "apc_ear": apc["ear"],
+        "apc_ear_recompute_of_bound": round(apc["ear-recompute"] / bound, 4) if apc["ear-recompute"] and bound else None,
+        "apc_ear_of_bound": round(apc["ear"] / bound, 4) if apc["ear"] and bound else None,
+        "ttft_p90_s": {k: median(k, lambda r: r["ttft_s"]["p90"]) for k in keyed},
+        "worst_instance_ttft_p90_s": {k: median(k, lambda r: r["instance_ttft_p90_s"]["max"]) for k in keyed},
+        "amplification": {k: median(k, lambda r: r["amplification"]) for k in keyed},
+        "migrations": median("ear", lambda r: r["migrations"]), "thrash_sessions": median("ear", lambda r: r["thrash_sessions"]),
+        "kv_moves": median("ear", lambda r: r["kv_moves"]),
+        "kv_transfer_gb_s": args.kv_transfer_gb_s if args.kv_moves else None,
+        "routers": {router: table_row(rs) for router, rs in keyed.items()},
     }))
 
+
+def spread(values: list[float | None]) -> dict:
+    """Median, min and max of the values present over the repeats."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"median": None, "min": None, "max": None}
+    return {"median": round(statistics.median(present), 4), "min": min(present), "max": max(present)}
+
+
+def table_row(rs: list[dict]) -> dict:
+    """One router's figures over the repeats, each with its spread."""
+    return {
+        "ttft_p50_s": spread([r["ttft_s"]["p50"] for r in rs]), "ttft_p90_s": spread([r["ttft_s"]["p90"] for r in rs]),
+        "ttft_p99_s": spread([r["ttft_s"]["p99"] for r in rs]), "apc": spread([r["apc"] for r in rs]),
+        "worst_instance_ttft_p90_s": spread([r["instance_ttft_p90_s"]["max"] for r in rs]),
+        "errors": sum(r["failed"] + r["not_sent"] for r in rs), "migrations": spread([r["migrations"] for r in rs]),
+        "kv_moves": spread([r["kv_moves"] for r in rs]),
+    }
 
 if __name__ == "__main__":
     main()

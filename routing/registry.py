@@ -24,7 +24,7 @@ FILTERS: dict[RouterFilter, Callable[[RouterConfig], Filter]] = {
     "has-room": lambda _: has_room,
     "session-hash": lambda _: session_hash,
     "session-host": lambda c: SessionHost(c.t_hot_tokens, c.t_cool_s, migrate=False),
-    "session-host-or-move": lambda c: SessionHost(c.t_hot_tokens, c.t_cool_s),
+    "session-host-or-move": lambda c: SessionHost(c.t_hot_tokens, c.t_cool_s, move_kv=c.move_kv),
 }
 SCORERS: dict[RouterScorer, Callable[[], Scorer]] = {
     "least-pending-prefill": lambda: least_pending_prefill,
@@ -76,5 +76,5 @@ def build_scheduler(config: RouterConfig, rng: random.Random) -> Scheduler:
         rng,
         binds_sessions=config.binds_sessions,
         per_session="session-hash" in filters,
-        reads_cache=any(s.name == "prefix-hit" for s in scorers),
+        reads_cache=any(s.name == "prefix-hit" for s in scorers) or "session-host-or-move" in filters,
     )

@@ -36,6 +36,8 @@ class Endpoint:
     """KV room left for another session's context; None when unknown (taken as enough)."""
     capacity: int | None = None
     """Concurrent requests the instance takes, as its engine reported; None when it has not said."""
+    moves_kv: bool = False
+    """The instance's engine exports and imports a session's KV (it has an internal KV port)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +109,7 @@ class Scheduler:
         self.per_session = per_session or binds_sessions
         """Where a request may go depends on its session: one that must wait does not make the next wait."""
         self.reads_cache = reads_cache
-        """Its scorers read `Endpoint.cached_tokens` (worked out only for routers that do)."""
+        """Its filters or scorers read `Endpoint.cached_tokens` (worked out only for routers that do)."""
 
     def choose(self, request: RoutingRequest, endpoints: Sequence[Endpoint]) -> Choice | None:
         """The instance for `request`, or None when no candidate may take it now."""

@@ -13,7 +13,7 @@ from shared.contracts.config import BINDING_FILTERS, RouterConfig
 
 @pytest.mark.parametrize("plugin,binds,per_session,reads_cache", [
     ("round-robin", False, False, False), ("least-load", False, False, False), ("kv-aware", False, False, True),
-    ("sticky", False, True, False), ("affinity", True, True, False), ("ear", True, True, False)])
+    ("sticky", False, True, False), ("affinity", True, True, False), ("ear", True, True, True)])
 def test_what_a_preset_does_with_sessions_follows_from_its_filters(plugin, binds, per_session, reads_cache):
     router = make_router(plugin)
     assert router.name == plugin

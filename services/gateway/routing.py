@@ -288,7 +288,8 @@ class Router:
             resident = self.sessions.kv_resident(instance_id) if self.sessions is not None else 0
             kv_free = row.capacity * kv_len - resident
         return Endpoint(instance_id, inflight, not _has_room(row, inflight, borrow), self.pending.get(instance_id, 0),
-                        self._cached_tokens(row.alias, instance_id, ask) if reads_cache else 0, kv_free, row.capacity)
+                        self._cached_tokens(row.alias, instance_id, ask) if reads_cache else 0, kv_free, row.capacity,
+                        moves_kv=bool(row.internal_endpoint))
 
     def _cached_tokens(self, alias: str, instance_id: str, ask: Ask) -> int:
         blocks = self.index.matched(instance_id, ask.prompt.blocks)

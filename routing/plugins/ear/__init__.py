@@ -1,16 +1,24 @@
-"""EAR, the Elastic Affinity Router (seed 004 §4): affinity by default, a hot host's session moved away.
+"""EAR, the Elastic Affinity Router (seed 004 §4): affinity by default, a hot host's session moved where it waits less.
 
 - A new session goes to the instance with the fewest pending prefill tokens.
 - Later turns go to the session's host, where its KV is.
 - When the host's pending prefill tokens exceed `T_hot` (or it is full), and the
-  session has not moved within `T_cool`, the session moves: to the instance with
-  the fewest pending prefill tokens among those that can hold its context in KV
-  and are strictly less loaded than the host. None qualifies: it stays (the move
-  is opportunistic, never forced).
+  session has not moved within `T_cool`, the session may move: to an instance
+  that can hold its context in KV and where the request waits for fewer prefill
+  tokens than on the host, counting what each would have to compute for it. On
+  the host that is the turn's new tokens; elsewhere it is the whole prompt less
+  what that instance holds of it, or less the context the move carries along
+  when both engines move KV. The fewest wins. None qualifies: it stays (the
+  move is opportunistic, never forced).
 
-The load is what the router observes (pending prefill), not a predicted transfer
-time (§4.3.2). With `migrate` off this is the "affinity" router: a session never
-leaves a host that runs.
+Every quantity is one the router observes in tokens (pending prefill, the
+prefix index's expected hits, the session's context), not a predicted transfer
+time (§4.3.2). Counting the recompute is what keeps EAR from moving a session
+off its cache to save less wait than the move costs: with long prompts (a
+Mooncake conversation's are 12,000 tokens) a host is over `T_hot` with one
+prompt in prefill, and a move that recomputes can cost more than it saves.
+With `migrate` off this is the "affinity" router: a session never leaves a host
+that runs.
 """
 
 from __future__ import annotations
@@ -20,6 +28,11 @@ from dataclasses import dataclass
 from routing.scheduler import Endpoint, RoutingRequest
 
 
+def prefill_wait(endpoint: Endpoint, prompt_tokens: int, held: int) -> int:
+    """Prefill tokens the request waits for on `endpoint`: those queued there, then its own less the `held` ones."""
+    return endpoint.pending_prefill + max(0, prompt_tokens - held)
+
+
 @dataclass(frozen=True, slots=True)
 class SessionHost:
     """The filter: the host alone, or the instances the session may move to, or (new session) everyone."""
@@ -27,6 +40,9 @@ class SessionHost:
     t_hot_tokens: int
     t_cool_s: float
     migrate: bool = True
+    move_kv: bool = True
+    """A move carries the session's KV where both engines can (`Endpoint.moves_kv`); otherwise the target
+    recomputes what it does not hold."""
 
     def __call__(self, request: RoutingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
         session = request.session
@@ -37,8 +53,15 @@ class SessionHost:
         cooling = session.moved_at is not None and request.now - session.moved_at < self.t_cool_s
         if not (hot and self.migrate) or cooling:
             return [host]
-        # Strictly less loaded: less pending prefill, or, from a full host, room and no more pending prefill.
-        targets = [e for e in endpoints if e is not host and not e.full
-                   and (e.pending_prefill < host.pending_prefill or (host.full and e.pending_prefill == host.pending_prefill))
-                   and (e.kv_free_tokens is None or e.kv_free_tokens >= session.context_tokens)]
-        return targets or [host]
+        here = prefill_wait(host, request.prompt_tokens, host.cached_tokens)
+        carried = host.cached_tokens if self.move_kv and host.moves_kv else 0
+        waits = {}
+        for e in endpoints:
+            if e is host or e.full or (e.kv_free_tokens is not None and e.kv_free_tokens < session.context_tokens):
+                continue
+            waits[e.instance_id] = prefill_wait(e, request.prompt_tokens, max(e.cached_tokens, carried if e.moves_kv else 0))
+        least = min(waits.values(), default=None)
+        # Strictly less wait; from a full host, which cannot take the request now, no more.
+        if least is None or least > here or (least == here and not host.full):
+            return [host]
+        return [e for e in endpoints if waits.get(e.instance_id) == least]

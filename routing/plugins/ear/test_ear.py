@@ -28,11 +28,31 @@ def test_a_hot_host_moves_the_session_to_the_least_loaded_instance_that_can_hold
     assert (choice.instance_id, choice.moved_from, choice.reason) == ("i0", "i2", "host_hot")
 
 
+def test_a_move_that_recomputes_counts_the_context_against_the_wait_it_saves(ear):
+    # The host holds 11k of the 12k-token prompt: 1k to compute behind 9k queued, 10k in all. An idle instance
+    # would compute all 12k: more than staying. One holding 8k of it (say a shared prefix) would compute 4k.
+    pool = endpoints(9000, 0, 0, cached_tokens=[11_000, 0, 8_000])
+    turn = request(host="i0", prompt_tokens=12_000, context_tokens=11_000)
+    assert ear.choose(turn, pool[:2]).instance_id == "i0"
+    assert (ear.choose(turn, pool).instance_id, ear.choose(turn, pool).moved_from) == ("i2", "i0")
+
+
+def test_a_move_that_carries_the_kv_counts_only_the_new_tokens_and_needs_both_ends_to_move_it(ear):
+    pool = endpoints(9000, 0, cached_tokens=[11_000, 0], moves_kv=[True, True])
+    turn = request(host="i0", prompt_tokens=12_000, context_tokens=11_000)
+    assert ear.choose(turn, pool).instance_id == "i1"  # 1k on i1 against 10k on the host
+    assert ear.choose(turn, endpoints(9000, 0, cached_tokens=[11_000, 0], moves_kv=[True, False])).instance_id == "i0"
+    recompute = make_router("ear", t_hot_tokens=T_HOT, t_cool_s=T_COOL, move_kv=False)
+    assert recompute.choose(turn, pool).instance_id == "i0"
+
+
 def test_no_target_strictly_less_loaded_or_with_room_means_stay(ear):
     hot = T_HOT + 5000
     assert ear.choose(request(host="i0"), endpoints(hot, hot, hot + 1)).instance_id == "i0"
     assert ear.choose(request(host="i0", context_tokens=9000), endpoints(hot, 0, kv_free_tokens=[0, 8000])).instance_id == "i0"
     assert ear.choose(request(host="i0"), endpoints(hot, 0, full=[False, True])).instance_id == "i0"
+    # Equal wait: the move gains nothing.
+    assert ear.choose(request(host="i0", prompt_tokens=1000), endpoints(hot, hot - 1000, cached_tokens=[1000, 0])).instance_id == "i0"
 
 
 def test_a_session_that_moved_within_t_cool_stays_and_may_move_again_after_it(ear):
