@@ -1,18 +1,38 @@
-"""The hybrid pool against a pure vLLM pool and a pure llama.cpp pool, on the same traces.
+"""The hybrid pool against pure vLLM pools (from zero, and kept asleep) and a pure llama.cpp pool, on the same traces.
 
 Each pool runs as the real services (relay, projector, placement, autoscaler,
 gateway, one worker) on the local Postgres and NATS, in a scratch namespace
 dropped afterwards. Its engines are SIMULATED (`modelpool engine sim`), both
 tiers: vLLM needs a GPU, and simulating llama.cpp too gives both tiers their
-throughput from the same decode model. Start times:
+throughput from the same decode model. The pools:
 
-- simulated vLLM: `--vllm-start-s` (default 48 s, the cold start vLLM's
-  sleep-mode blog measures; waking takes 0.3 s from level 1, 2.6 s from level 2);
+- hybrid: llama.cpp (up to `--fast-max` replicas) and one vLLM;
+- vllm: one vLLM, started from zero by the first request;
+- vllm_asleep_l1, vllm_asleep_l2: one vLLM kept asleep at level 1 / level 2
+  (`standby_replicas: 1`), woken by the same controller when the wave comes:
+  the peer a careful operator runs. Before the wave the bench lets the
+  controller start it and put it to sleep (idle times of 1 s, so this takes the
+  start and a few seconds), not counted;
+- llamacpp: llama.cpp alone (up to `--fast-max` replicas).
+
+Inputs, all of them assumptions but the measured llama.cpp start:
+
+- simulated vLLM start: `--vllm-start-s`, default 48 s; wake: `--vllm-wake-l1-s`
+  0.3 s, `--vllm-wake-l2-s` 2.6 s. All three from vLLM's blog "Zero-Reload Model
+  Switching with vLLM Sleep Mode" (blog.vllm.ai, 2025-10-26), section "Sleep
+  Levels", A100, vLLM 0.11.0, Qwen3-0.6B and Phi-3-vision: a switch without
+  sleep mode (a fresh vLLM) averaged about 48 s, one from level 2 about 2.6 s
+  (0.85 s and 2.58 s for the two models), a wake from level 1 0.26 s (Qwen3-0.6B);
+- the cold wave of the pure vLLM pool from zero is rerun (that phase alone) for
+  each start in `--vllm-start-sweep` (default 20,48,90 s): no other pool's
+  result depends on the vLLM start (the hybrid answers the wave on llama.cpp,
+  the asleep pools wake);
 - simulated llama.cpp: the start of the REAL llama.cpp engine on this machine
   (`modelpool engine llama.cpp`, process start to a healthy `/health`), measured
-  first, less the simulated engine's own process start.
+  first, less the simulated engine's own process start; its slots are the real
+  engine's default (`n_seq_max`, services/engines/llamacpp/settings.py: 8).
 
-Every pool meets the same two phases, starting COLD:
+Every pool meets the same two phases, starting COLD (the asleep pools: COLD, their vLLM asleep):
 
 1. cold wave: `--wave` streamed requests arriving at seeded random times over
    `--wave-s` seconds; TTFT (to the first content token) per request;
@@ -26,6 +46,8 @@ it never ended): lost must be 0. The policy runs with seed 000's defaults.
 Progress goes to stderr; the last line on stdout is the JSON summary.
 
     .venv/bin/python bench/pool.py --plot docs/img/pool.png --timeline docs/img/pool_hybrid_timeline.png
+
+Time: about 23 minutes for one run of the five pools and the sweep.
 """
 
 from __future__ import annotations
@@ -53,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.ops.load import quantile, read_stream  # noqa: E402
 from services.cluster.localpool import LocalPool  # noqa: E402
+from services.engines.llamacpp.settings import EngineSettings as LlamaCppSettings  # noqa: E402
 from services.ops.timeline_figure import plot_history  # noqa: E402
 from shared.bus.jetstream import connect, ensure_streams  # noqa: E402
 from shared.bus.subjects import Subjects  # noqa: E402
@@ -60,10 +83,18 @@ from shared.contracts.events import event_registry  # noqa: E402
 from shared.eventlog.db import create_engine, migrate_async  # noqa: E402
 from shared.eventlog.store import make_store  # noqa: E402
 from shared.net import free_port  # noqa: E402
+from shared.contracts.states import InstanceState  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 
 ALIAS = "bench"
-POOLS = ("hybrid", "vllm", "llamacpp")
+POOLS = ("hybrid", "vllm", "vllm_asleep_l1", "vllm_asleep_l2", "llamacpp")
+ASLEEP = {"vllm_asleep_l1": 1, "vllm_asleep_l2": 2}
+"""The pure vLLM pools kept asleep, by sleep level."""
+FAST_SLOTS = LlamaCppSettings.model_fields["n_seq_max"].default
+"""The simulated llama.cpp's slots: the real engine's default."""
+PREPARE_IDLE_S = 1.0
+"""The asleep pools' idle time before each sleep, so their vLLM is asleep within seconds of its start. It decides
+nothing during the traces: a pure vLLM tier holds its one instance until the load has been low for down_hold_s."""
 WORKER = {"MODELPOOL_WORKER_GPU_MEMORY_GB": "24", "MODELPOOL_WORKER_SLOTS": "6"}
 PROMPTS = (
     "Explain in three sentences why the sky is blue.",
@@ -73,13 +104,34 @@ PROMPTS = (
 )
 
 
-def pool_yaml(kind: str, fast_start_s: float, vllm_start_s: float, fast_max: int) -> str:
+def pool_yaml(kind: str, fast_start_s: float, vllm: dict[str, float], fast_max: int) -> str:
+    """The pool file of `kind`; `vllm`: the simulated vLLM's startup-s, wake-l1-s and wake-l2-s."""
     fast = (f"      llama.cpp: {{model_name: {ALIAS}, model_path: default, gpu_memory_gb: 0, min_replicas: 0, "
-            f"max_replicas: {fast_max}, engine: simulator, engine_args: {{startup-s: {fast_start_s:.2f}}}}}\n")
+            f"max_replicas: {fast_max}, engine: simulator, "
+            f"engine_args: {{startup-s: {fast_start_s:.2f}, max-num-seqs: {FAST_SLOTS}}}}}\n")
+    level = ASLEEP.get(kind)
+    standby = f"standby_replicas: 1, standby_sleep_level: {level}, " if level else ""
+    engine_args = ", ".join(f"{name}: {value:g}" for name, value in vllm.items())
     slow = (f"      vllm: {{model_name: {ALIAS}, model_path: /models/{ALIAS}, gpu_memory_gb: 12, min_replicas: 0, "
-            f"max_replicas: 1, max_model_len: 4096, engine: simulator, engine_args: {{startup-s: {vllm_start_s:.1f}}}}}\n")
-    backends = {"hybrid": fast + slow, "vllm": slow, "llamacpp": fast}[kind]
-    return f"aliases:\n  - alias: {ALIAS}\n    backends:\n{backends}"
+            f"max_replicas: 1, {standby}max_model_len: 4096, engine: simulator, engine_args: {{{engine_args}}}}}\n")
+    backends = {"hybrid": fast + slow, "llamacpp": fast}.get(kind, slow)
+    policy = (f"    autoscaling_policy: {{name: hybrid, vllm_sleep_l1_idle_s: {PREPARE_IDLE_S:g}, "
+              f"vllm_sleep_l2_idle_s: {PREPARE_IDLE_S:g}}}\n") if level else ""
+    return f"aliases:\n  - alias: {ALIAS}\n    backends:\n{backends}{policy}"
+
+
+async def asleep_at(store, level: int, timeout_s: float) -> float:
+    """Wait until the alias's vLLM instance is asleep at `level` (the controller started it and let it sleep);
+    the seconds it took."""
+    wanted = InstanceState.SLEEP_1 if level == 1 else InstanceState.SLEEP_2
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        latest = {e.payload["instance_id"]: e.payload["to_state"]
+                  for e in await store.of_type("InstanceStateChanged", alias=ALIAS)}
+        if wanted.value in latest.values():
+            return time.monotonic() - started
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"the standby vLLM was not asleep at level {level} within {timeout_s:.0f} s")
 
 
 # --------------------------------------------------------------------------- engine start times
@@ -227,8 +279,9 @@ def rounded(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
 
-async def run_pool(kind: str, base: Settings, args: argparse.Namespace, fast_start_s: float, workdir: Path,
-                   timeline: Path | None) -> dict:
+async def run_pool(kind: str, base: Settings, args: argparse.Namespace, fast_start_s: float, vllm_start_s: float,
+                   workdir: Path, timeline: Path | None, sustained: bool = True) -> dict:
+    """One pool through the cold wave and, if `sustained`, the sustained phase; its summary."""
     settings = Settings.load({}, database_url=base.database_url, nats_url=base.nats_url,
                              namespace=f"bench_pool_{secrets.token_hex(4)}")
     await migrate_async(settings)
@@ -237,12 +290,18 @@ async def run_pool(kind: str, base: Settings, args: argparse.Namespace, fast_sta
     nc = await connect(settings.nats_url, name="bench-pool")
     subjects = Subjects(settings.namespace)
     await ensure_streams(nc.jetstream(), subjects)
+    vllm = {"startup-s": vllm_start_s, "wake-l1-s": args.vllm_wake_l1_s, "wake-l2-s": args.vllm_wake_l2_s}
     pool = LocalPool(settings.database_url, settings.nats_url, settings.namespace,
-                     pool_yaml(kind, fast_start_s, args.vllm_start_s, args.fast_max), workdir / kind,
+                     pool_yaml(kind, fast_start_s, vllm, args.fast_max), workdir / f"{kind}_{vllm_start_s:g}",
                      workers={"w1": WORKER})
     began = datetime.now(timezone.utc)
+    prepared_s = None
     try:
         pool.start()
+        if kind in ASLEEP:
+            prepared_s = await asleep_at(store, ASLEEP[kind], vllm_start_s + 120)
+            print(f"  vLLM asleep at level {ASLEEP[kind]} after {prepared_s:.1f} s (not counted)", file=sys.stderr,
+                  flush=True)
         load = PhaseLoad(time.monotonic())
         load_began = datetime.now(timezone.utc)
         stop = asyncio.Event()
@@ -250,8 +309,9 @@ async def run_pool(kind: str, base: Settings, args: argparse.Namespace, fast_sta
         try:
             await load.cold_wave(pool.gateway, args.wave, args.wave_s, args.wave_tokens, args.seed)
             wave_end = load.now()
-            await load.sustained(pool.gateway, args.concurrency, args.sustained_s, args.max_tokens)
-            sustained_end = wave_end + args.sustained_s
+            if sustained:
+                await load.sustained(pool.gateway, args.concurrency, args.sustained_s, args.max_tokens)
+            sustained_end = wave_end + args.sustained_s if sustained else None
         finally:
             stop.set()
             await reporter
@@ -269,16 +329,18 @@ async def run_pool(kind: str, base: Settings, args: argparse.Namespace, fast_sta
         async with engine.begin() as conn:
             await conn.execute(text(f'DROP SCHEMA IF EXISTS "{settings.namespace}" CASCADE'))
         await engine.dispose()
-    return summarise(kind, load.records, events, load_began, wave_end, sustained_end, args)
+    summary = summarise(kind, load.records, events, load_began, wave_end, sustained_end, args)
+    return {**summary, "vllm_startup_s": vllm_start_s, "prepared_s": rounded(prepared_s, 1)}
 
 
-def summarise(kind: str, records: list[Record], events, load_began: datetime, wave_end: float, sustained_end: float,
-              args: argparse.Namespace) -> dict:
+def summarise(kind: str, records: list[Record], events, load_began: datetime, wave_end: float,
+              sustained_end: float | None, args: argparse.Namespace) -> dict:
+    """`sustained_end` None: the pool met the cold wave alone."""
     wave = [r for r in records if r.phase == "wave"]
     sustained = [r for r in records if r.phase == "sustained"]
     # The last measure_s seconds while every client was sending: requests that completed in them.
-    measured_from = sustained_end - args.measure_s
-    window = [r for r in sustained if r.outcome == "ok" and measured_from <= r.done <= sustained_end]
+    window = [] if sustained_end is None else [r for r in sustained if r.outcome == "ok" and
+                                               sustained_end - args.measure_s <= r.done <= sustained_end]
     tokens = sum(r.tokens for r in window)
     ttft = [r.first - r.sent for r in wave if r.first is not None]
     switches = [(e.occurred_at, e.payload["from_state"], e.payload["to_state"]) for e in events
@@ -310,8 +372,10 @@ def summarise(kind: str, records: list[Record], events, load_began: datetime, wa
 # --------------------------------------------------------------------------- the figure
 
 
-COLORS = {"hybrid": "tab:purple", "vllm": "tab:orange", "llamacpp": "tab:blue"}
-LABELS = {"hybrid": "hybrid (llama.cpp + vLLM)", "vllm": "pure vLLM", "llamacpp": "pure llama.cpp"}
+COLORS = {"hybrid": "tab:purple", "vllm": "tab:orange", "vllm_asleep_l1": "tab:red", "vllm_asleep_l2": "tab:brown",
+          "llamacpp": "tab:blue"}
+LABELS = {"hybrid": "hybrid (llama.cpp + vLLM)", "vllm": "pure vLLM from zero", "vllm_asleep_l1": "pure vLLM asleep (L1)",
+          "vllm_asleep_l2": "pure vLLM asleep (L2)", "llamacpp": "pure llama.cpp"}
 
 
 def plot(runs: list[dict], path: Path, bin_s: float = 5.0) -> None:
@@ -356,11 +420,27 @@ def spread(values: list[float]) -> str:
     return f"{min(values):.3g}–{max(values):.3g}" if len(values) > 1 else f"{values[0]:.3g}"
 
 
+def starts_list(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
+def cold_ratios(runs: list[dict], peers: list[dict]) -> list[float]:
+    """Each repeat's cold wave TTFT p95 of a peer over the hybrid's (runs and peers in repeat order)."""
+    hybrid = [r for r in runs if r["pool"] == "hybrid"]
+    return [p["wave_ttft_p95_s"] / h["wave_ttft_p95_s"] for h, p in zip(hybrid, peers)]
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pools", default=",".join(POOLS), help=f"which pools, in order (default {','.join(POOLS)})")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every pool (default 1)")
-    parser.add_argument("--vllm-start-s", type=float, default=48.0)
+    parser.add_argument("--vllm-start-s", type=float, default=48.0,
+                        help="simulated vLLM start (default 48: vLLM's sleep-mode blog, a switch without sleep mode)")
+    parser.add_argument("--vllm-wake-l1-s", type=float, default=0.3, help="simulated wake from level 1 (default 0.3)")
+    parser.add_argument("--vllm-wake-l2-s", type=float, default=2.6, help="simulated wake from level 2 (default 2.6)")
+    parser.add_argument("--vllm-start-sweep", type=starts_list, default=starts_list("20,48,90"),
+                        help="vLLM starts for which the pure vLLM pool's cold wave is run (alone) again, "
+                             "comma-separated seconds (default 20,48,90; empty: none)")
     parser.add_argument("--fast-max", type=int, default=3, help="llama.cpp max_replicas (default 3)")
     parser.add_argument("--wave", type=int, default=12, help="requests in the cold wave (default 12)")
     parser.add_argument("--wave-s", type=float, default=5.0, help="the cold wave arrives over this long (default 5)")
@@ -389,19 +469,33 @@ async def main() -> int:
     print(f"  real llama.cpp {starts['llamacpp_real_start_s']:.2f} s, simulated process {starts['sim_process_start_s']:.2f} s:"
           f" simulated llama.cpp starts with startup-s {fast_start_s:.2f}", file=sys.stderr, flush=True)
 
+    def report(run: dict) -> None:
+        sustained = (f"sustained {run['sustained_tokens_per_s']} tok/s, E2E p95 {run['sustained_e2e_p95_s']} s; "
+                     if run["sustained_requests"] else "")
+        print(f"  TTFT p50/p95 {run['wave_ttft_p50_s']}/{run['wave_ttft_p95_s']} s; {sustained}"
+              f"errors {run['errors']}, lost {run['lost']}; switches {run['switches']}", file=sys.stderr, flush=True)
+
+    sweep = [start for start in args.vllm_start_sweep if start != args.vllm_start_s] if "vllm" in kinds else []
     runs: list[dict] = []
+    sweep_runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="modelpool-bench-pool-") as tmp:
         for repeat in range(args.repeats):
             for kind in kinds:
                 print(f"{kind} pool, run {repeat + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
                 last_hybrid = kind == "hybrid" and repeat == args.repeats - 1
-                run = await run_pool(kind, base, args, fast_start_s, Path(tmp) / f"run{repeat}",
+                run = await run_pool(kind, base, args, fast_start_s, args.vllm_start_s, Path(tmp) / f"run{repeat}",
                                      args.timeline if last_hybrid else None)
                 run["repeat"] = repeat
                 runs.append(run)
-                print(f"  TTFT p50/p95 {run['wave_ttft_p50_s']}/{run['wave_ttft_p95_s']} s; sustained "
-                      f"{run['sustained_tokens_per_s']} tok/s, E2E p95 {run['sustained_e2e_p95_s']} s; "
-                      f"errors {run['errors']}, lost {run['lost']}; switches {run['switches']}", file=sys.stderr, flush=True)
+                report(run)
+            for start in sweep:
+                print(f"vllm pool, cold wave alone, vLLM start {start:g} s, run {repeat + 1}/{args.repeats} ...",
+                      file=sys.stderr, flush=True)
+                run = await run_pool("vllm", base, args, fast_start_s, start, Path(tmp) / f"run{repeat}", None,
+                                     sustained=False)
+                run["repeat"] = repeat
+                sweep_runs.append(run)
+                report(run)
     if args.plot:
         plot(runs, args.plot)
 
@@ -410,15 +504,26 @@ async def main() -> int:
 
     results: dict = {"engines": "simulated (both tiers)", **{k: rounded(v, 2) if isinstance(v, float) else v
                                                               for k, v in starts.items()},
-                     "fast_startup_s": round(fast_start_s, 2), "vllm_startup_s": args.vllm_start_s,
-                     "repeats": args.repeats}
+                     "fast_startup_s": round(fast_start_s, 2), "fast_slots": FAST_SLOTS,
+                     "vllm_startup_s": args.vllm_start_s, "vllm_wake_l1_s": args.vllm_wake_l1_s,
+                     "vllm_wake_l2_s": args.vllm_wake_l2_s, "repeats": args.repeats}
     for run in runs:
         run.pop("completions")
-    if "hybrid" in kinds and "vllm" in kinds:
-        ratios = [v["wave_ttft_p95_s"] / h["wave_ttft_p95_s"]
-                  for h, v in zip((r for r in runs if r["pool"] == "hybrid"), (r for r in runs if r["pool"] == "vllm"))]
-        results["cold_ttft_p95_ratio_vs_vllm"] = round(statistics.median(ratios), 2)
-        results["cold_ttft_p95_ratio_vs_vllm_spread"] = spread(ratios)
+    for run in sweep_runs:
+        run.pop("completions")
+    if "hybrid" in kinds:
+        for kind, key in (("vllm", "cold_ttft_p95_ratio_vs_vllm"),
+                          *((k, f"cold_ttft_p95_ratio_vs_{k}") for k in ASLEEP)):
+            if kind in kinds:
+                ratios = cold_ratios(runs, [r for r in runs if r["pool"] == kind])
+                results[key] = round(statistics.median(ratios), 2)
+                results[f"{key}_spread"] = spread(ratios)
+        if "vllm" in kinds and args.vllm_start_sweep:
+            by_start = {}
+            for start in args.vllm_start_sweep:
+                peers = [r for r in (*runs, *sweep_runs) if r["pool"] == "vllm" and r["vllm_startup_s"] == start]
+                by_start[f"{start:g}"] = round(statistics.median(cold_ratios(runs, peers)), 2)
+            results["cold_ttft_p95_ratio_vs_vllm_by_start_s"] = by_start
     if "hybrid" in kinds and "llamacpp" in kinds:
         ratios = [h["sustained_tokens_per_s"] / f["sustained_tokens_per_s"]
                   for h, f in zip((r for r in runs if r["pool"] == "hybrid"), (r for r in runs if r["pool"] == "llamacpp"))]
@@ -428,9 +533,11 @@ async def main() -> int:
         results["sustained_e2e_p95_llamacpp_s"] = round(statistics.median(of("llamacpp", "sustained_e2e_p95_s")), 2)
     for kind in kinds:
         results[f"{kind}_errors"] = sum(sum(r["errors"].values()) for r in runs if r["pool"] == kind)
-    results["lost_requests"] = sum(r["lost"] for r in runs)
+    results["lost_requests"] = sum(r["lost"] for r in (*runs, *sweep_runs))
     results["switches"] = max((len(r["switches"]) for r in runs if r["pool"] == "hybrid"), default=0)
     results["runs"] = runs
+    results["sweep_runs"] = [{k: r[k] for k in ("vllm_startup_s", "repeat", "wave_ttft_p50_s", "wave_ttft_p95_s",
+                                                "errors", "lost")} for r in sweep_runs]
     print(json.dumps(results))
     return 0 if results["lost_requests"] == 0 else 1
 

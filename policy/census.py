@@ -18,6 +18,8 @@ from shared.contracts.states import InstanceState
 AWAKE_STATES = frozenset({InstanceState.RUNNING, InstanceState.STARTING})
 ASLEEP_STATES = frozenset({InstanceState.SLEEP_1, InstanceState.SLEEP_2})
 RELEASING = frozenset({Action.SLEEP, Action.DRAIN, Action.DELETE})
+REMOVING = frozenset({Action.DRAIN, Action.DELETE})
+PROVISIONED_STATES = AWAKE_STATES | ASLEEP_STATES
 
 
 @dataclass(slots=True)
@@ -36,6 +38,9 @@ class TierCensus:
     """Awake, waking and starting: what the tier has, counting what is on its way."""
     by_role: dict[Role, int]
     """The supply by role, in a disaggregated tier (empty otherwise)."""
+    kept: tuple[InstanceView, ...]
+    """Awake or asleep, with no drain or delete on its way: what the tier still has once its commands land
+    (with `unseen_starts`), whether awake or not."""
 
 
 def _by_role(counted: Iterable[InstanceView], unseen: Iterable[Role | None]) -> dict[Role, int]:
@@ -51,14 +56,16 @@ def census(s: AliasSnapshot, backend: BackendType) -> TierCensus:
     if not pending:  # most ticks of most aliases: nothing in flight
         instances = s.of(backend)
         awake = tuple(i for i in instances if i.state in AWAKE_STATES)
-        return TierCensus(awake, (), tuple(i for i in instances if i.state in ASLEEP_STATES), 0, frozenset(), len(awake),
-                          _by_role(awake, ()))
-    awake, waking, asleep, busy = [], [], [], []
+        asleep = tuple(i for i in instances if i.state in ASLEEP_STATES)
+        return TierCensus(awake, (), asleep, 0, frozenset(), len(awake), _by_role(awake, ()), awake + asleep)
+    awake, waking, asleep, busy, kept = [], [], [], [], []
     for i in s.of(backend):
         command = pending.get(i.instance_id)
         action = command.action if command else None
         if command:
             busy.append(i.instance_id)
+        if i.state in PROVISIONED_STATES and action not in REMOVING:
+            kept.append(i)
         if i.state in AWAKE_STATES:
             if action not in RELEASING:
                 awake.append(i)
@@ -71,4 +78,4 @@ def census(s: AliasSnapshot, backend: BackendType) -> TierCensus:
     unseen = tuple(p.role for p in s.pending
                    if p.action is Action.START and p.backend is backend and p.instance_id not in known)
     return TierCensus(tuple(awake), tuple(waking), tuple(asleep), len(unseen), frozenset(busy),
-                      len(awake) + len(waking) + len(unseen), _by_role((*awake, *waking), unseen))
+                      len(awake) + len(waking) + len(unseen), _by_role((*awake, *waking), unseen), tuple(kept))

@@ -8,6 +8,11 @@ Per tier, against its census (observed plus in flight):
   still under way is cancelled first, then the least loaded, longest idle ones,
   each taking the next step of the tier's ladder once idle long enough;
 - asleep instances walk on down the ladder (level 2, then drain + delete);
+- standby (a backend's `standby_replicas`): the tier keeps that many instances,
+  awake or asleep, whatever the target; it starts them when it has fewer, and
+  the ones kept (the readiest: running, then asleep at level 1, at level 2, then
+  starting) take the ladder's sleeps down to `standby_sleep_level` and no
+  further, never a cancel, a drain or a delete for idleness;
 - an instance in ERROR is deleted; a drained one is deleted (where the alias's
   router binds sessions, once they have had `drain_handoff_s` to move to the
   hosts that serve them next); one STARTING for longer than its backend's start
@@ -70,6 +75,26 @@ def ladder_step(i: InstanceView, ladder: Ladder, now: datetime) -> InstanceStep 
     return InstanceStep(Action.SLEEP, wanted, f"idle {idle:.0f} s >= {after:g} s: sleep level {wanted}")
 
 
+def standby_ladder(ladder: Ladder, level: int) -> Ladder | None:
+    """The ladder of an instance kept for standby: `ladder`'s sleeps down to `level`, never a delete. None when
+    `ladder` does not sleep: the policy lets the tier's surplus go outright (a failed tier), and keeps none."""
+    if ladder.sleep_1_after_s is None:
+        return None
+    if level == 1:
+        return Ladder(sleep_1_after_s=ladder.sleep_1_after_s)
+    deeper = ladder.sleep_2_after_s if ladder.sleep_2_after_s is not None else ladder.sleep_1_after_s
+    return Ladder(sleep_1_after_s=ladder.sleep_1_after_s, sleep_2_after_s=deeper)
+
+
+STANDBY_RANK = {S.RUNNING: 0, S.SLEEP_1: 1, S.SLEEP_2: 2, S.STARTING: 3}
+"""Which instances a tier keeps for standby first: the ones serving soonest."""
+
+
+def standby_kept(kept: Iterable[InstanceView], n: int) -> tuple[InstanceView, ...]:
+    """The `n` instances a tier keeps for standby: the readiest, the most recently busy first among equals."""
+    return tuple(sorted(kept, key=lambda i: (STANDBY_RANK[i.state], -i.idle_since().timestamp(), i.instance_id))[:n])
+
+
 def next_ladder_time(i: InstanceView, ladder: Ladder) -> NextStep | None:
     level = i.sleep_level if i.state in (S.SLEEP_1, S.SLEEP_2) else 0
     if level < 1 and ladder.sleep_1_after_s is not None:
@@ -95,10 +120,13 @@ class Reconciler:
         """Tiers that started or woke instances, and tiers that let awake ones go, in this decision."""
         self._started: dict[BackendType, int] = {}
         """New instances of each tier named so far in this decision (their ids count on)."""
+        self._standby: dict[str, Ladder] = {}
+        """Instances kept for standby, with the ladder they take instead of their tier's."""
 
     def run(self, plans: dict[BackendType, TierPlan], censuses: dict[BackendType, TierCensus]) -> tuple[PlannedAction, ...]:
         for backend, plan in plans.items():
             c = censuses[backend]
+            kept_ladder = self._keep_standby(backend, plan, c)
             if plan.roles is not None:
                 self._by_role(backend, plan, c)
             elif plan.target > c.supply:
@@ -108,6 +136,8 @@ class Reconciler:
                     self._release(plan, c.awake, min(plan.release, c.supply - plan.target))
                 if not plan.halted:
                     self._walk_asleep(plan, c)
+            if kept_ladder is not None:
+                self._provision_standby(backend, c)
             self._clean_up(backend, c)
         return tuple(sorted(self.actions, key=lambda a: (ORDER[a.action], a.backend.value, a.instance_id)))
 
@@ -142,11 +172,16 @@ class Reconciler:
                                           f"before starting a new one; {plan.reason}")
             self.scaled_up.add(backend)
             need -= 1
-        if need == 0:
-            return
+        if need:
+            self._start(backend, need, f"scale {what}up to {plan.roles[role] if role and plan.roles else plan.target}: "
+                                       f"{plan.reason}", role)
+
+    def _start(self, backend: BackendType, need: int, reason: str, role: Role | None = None) -> None:
+        """Start `need` new instances, unless a start of the tier failed less than `start_retry_s` ago."""
         failure = self.s.start_failures.get(backend)
         retry_at = failure.at + timedelta(seconds=self.s.controller.start_retry_s) if failure else None
         if retry_at is not None and self.now < retry_at:
+            what = f"{role.value} " if role else ""
             self.outlook.append(NextStep(f"start {need} {what}{backend.value} instance(s) (last start failed: "
                                          f"{failure.reason})", retry_at))
             return
@@ -157,10 +192,25 @@ class Reconciler:
             self._started[backend] = self._started.get(backend, 0) + 1
             self.actions.append(PlannedAction(
                 action=Action.START, backend=backend, instance_id=instance_id,
-                command_id=command_id(self.decision, Action.START, instance_id),
-                reason=f"scale {what}up to {plan.roles[role] if role and plan.roles else plan.target}: {plan.reason}",
-                role=role,
+                command_id=command_id(self.decision, Action.START, instance_id), reason=reason, role=role,
             ))
+
+    def _keep_standby(self, backend: BackendType, plan: TierPlan, c: TierCensus) -> Ladder | None:
+        """Mark the instances the tier keeps for standby; their ladder, or None when the tier keeps none."""
+        bounds = self.s.config.backends[backend]
+        ladder = standby_ladder(plan.ladder, bounds.standby_sleep_level) if bounds.standby_replicas else None
+        if ladder is not None:
+            for i in standby_kept(c.kept, bounds.standby_replicas):
+                self._standby[i.instance_id] = ladder
+        return ladder
+
+    def _provision_standby(self, backend: BackendType, c: TierCensus) -> None:
+        """Start what the tier lacks of its standby, counting what this decision started already."""
+        n = self.s.config.backends[backend].standby_replicas
+        missing = n - len(c.kept) - c.unseen_starts - self._started.get(backend, 0)
+        if missing > 0:
+            self._start(backend, missing, f"standby: {n} {backend.value} instance(s) kept, awake or asleep "
+                                          f"(standby_replicas), {n - missing} provisioned")
 
     def _release(self, plan: TierPlan, awake: Iterable[InstanceView], budget: int) -> int:
         """Let up to `budget` of `awake` go (starting ones first, then the least loaded, longest idle); how many went."""
@@ -173,6 +223,8 @@ class Reconciler:
         for i in starting:
             if sent == budget:
                 return sent
+            if i.instance_id in self._standby:
+                continue  # kept for standby: it will sleep once up
             self._emit(i, Action.DELETE, 0, f"surplus while still starting: cancel the start; {plan.reason}")
             self.released.add(i.backend)
             sent += 1
@@ -190,9 +242,10 @@ class Reconciler:
 
     def _step_down(self, i: InstanceView, plan: TierPlan) -> bool:
         """Send the next step of the ladder if `i` has earned it (else note when it will); True if sent."""
-        step = ladder_step(i, plan.ladder, self.now)
+        ladder = self._standby.get(i.instance_id, plan.ladder)
+        step = ladder_step(i, ladder, self.now)
         if step is None:
-            upcoming = next_ladder_time(i, plan.ladder)
+            upcoming = next_ladder_time(i, ladder)
             if upcoming:
                 self.outlook.append(upcoming)
             return False

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from shared.contracts.backends import ENGINES, BackendType, EngineKind
+from shared.contracts.backends import ENGINES, Action, BackendType, EngineKind, supports
 from shared.contracts.engine_flags import ENGINE_FLAGS, refused_flags
 from shared.contracts.policies import LEGACY_HYBRID, AutoscalingPolicy, HybridPolicyConfig
 from shared.contracts.states import RoutingState
@@ -63,6 +63,14 @@ class BackendConfig(BaseModel):
     gpu_memory_gb: float = Field(ge=0)
     min_replicas: int = Field(default=0, ge=0)
     max_replicas: int = Field(default=1, ge=0)
+    standby_replicas: int = Field(default=0, ge=0)
+    """Instances kept provisioned while load wants fewer awake: started ahead of the first request when the tier
+    has fewer, put to sleep when idle (no deeper than `standby_sleep_level`), never deleted for idleness, and
+    woken before any new one is started. For a backend that sleeps (vLLM) under a policy whose ladder sleeps
+    (hybrid); 0: seed 000's ladder alone, which deletes an idle vLLM after `vllm_delete_idle_s`."""
+    standby_sleep_level: Literal[1, 2] = 1
+    """How deep standby instances sleep: 1 keeps the weights in CPU RAM (the faster wake), 2 drops them (the wake
+    reloads them)."""
     max_model_len: int | None = Field(default=None, ge=1)
     tensor_parallel_size: int = Field(default=1, ge=1)
     engine: EngineKind | None = None
@@ -83,6 +91,8 @@ class BackendConfig(BaseModel):
     def _replica_bounds(self) -> "BackendConfig":
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        if self.standby_replicas > self.max_replicas:
+            raise ValueError(f"standby_replicas ({self.standby_replicas}) exceeds max_replicas ({self.max_replicas})")
         return self
 
 
@@ -182,6 +192,19 @@ class AliasConfig(BaseModel):
                 runs = ", ".join(sorted(e.value for e in ENGINES[backend]))
                 raise ValueError(f"engine {config.engine.value} cannot run the {backend.value} backend (it runs: {runs})")
         return backends
+
+    @model_validator(mode="after")
+    def _standby_sleeps(self) -> "AliasConfig":
+        for backend, config in self.backends.items():
+            if not config.standby_replicas:
+                continue
+            if not supports(backend, Action.SLEEP):
+                raise ValueError(f"{backend.value}: standby_replicas needs a backend that sleeps (use min_replicas "
+                                 f"to keep {backend.value} instances up)")
+            if not isinstance(self.autoscaling_policy, HybridPolicyConfig):
+                raise ValueError(f"{backend.value}: standby_replicas needs the hybrid policy (the "
+                                 f"{self.autoscaling_policy.name} policy deletes surplus instances without sleep)")
+        return self
 
     @model_validator(mode="after")
     def _scaled_backend(self) -> "AliasConfig":

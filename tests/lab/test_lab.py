@@ -138,3 +138,24 @@ def test_an_agentic_trace_runs_closed_loop_with_the_alias_router():
         by_session.setdefault(s.session, []).append(s)
     later = [(a, b) for turns in by_session.values() for a, b in zip(turns, turns[1:])]
     assert later and all(b.arrival >= a.arrival + a.e2e for a, b in later)  # closed loop: after the answer
+
+
+def test_a_standby_vllm_is_asleep_before_the_wave_and_woken_for_it_rather_than_started():
+    pool = load_lab_pool("config/lab.yaml")
+    alias, pool, lab = apply_sets(pool, None, parse_sets(["autoscaling_policy=hybrid", "hybrid.vllm_sleep_l1_idle_s=5"]),
+                                  LabSettings(seed=0, drain_s=120))
+    _, trace = workloads.load("cold-wave", 0, {**WAVE, "idle_s": "120"})
+    vllm = alias.backends[policy.hybrid.SLOW]
+
+    def warm_up_s(standby: int) -> float:
+        kept = alias.model_copy(update={"backends": {**alias.backends, policy.hybrid.SLOW: vllm.model_copy(
+            update={"standby_replicas": standby})}})
+        r = run(kept, pool.controller, lab, trace)
+        assert r.summary["lost"] == 0
+        if standby:  # started ahead of any request, asleep when the wave comes
+            assert next(s for s in r.samples if s.t >= 115).asleep == {"vllm": 1}
+        switches = {line.target: line.t for line in r.log if line.action == "routing_switch"}
+        return switches["MIXED"] - switches["WARMING_VLLM"]
+
+    # The same policy code: the warm-up is a wake (0.3 s and the ready probes) instead of a 60 s start.
+    assert warm_up_s(1) < 10 < 60 <= warm_up_s(0)
