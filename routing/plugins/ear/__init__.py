@@ -4,12 +4,14 @@
 - Later turns go to the session's host, where its KV is.
 - When the host's pending prefill tokens exceed `T_hot` (or it is full), and the
   session has not moved within `T_cool`, the session may move: to an instance
-  that can hold its context in KV and where the request waits for fewer prefill
-  tokens than on the host, counting what each would have to compute for it. On
-  the host that is the turn's new tokens; elsewhere it is the whole prompt less
-  what that instance holds of it, or less the context the move carries along
-  when both engines move KV. The fewest wins. None qualifies: it stays (the
-  move is opportunistic, never forced).
+  that can hold its context in KV and where the move costs fewer prefill tokens
+  than staying. Staying costs the host's queue and the turn's new tokens. A
+  move costs the target's queue and what it must compute of the prompt (all of
+  it less what it holds, or less the context carried along when both engines
+  move KV), and the context it recomputes once more: that work delays the
+  target's other requests, so a move must save the request more than it adds.
+  The cheapest wins. None qualifies: it stays (the move is opportunistic, never
+  forced).
 
 Every quantity is one the router observes in tokens (pending prefill, the
 prefix index's expected hits, the session's context), not a predicted transfer
@@ -17,6 +19,8 @@ time (§4.3.2). Counting the recompute is what keeps EAR from moving a session
 off its cache to save less wait than the move costs: with long prompts (a
 Mooncake conversation's are 12,000 tokens) a host is over `T_hot` with one
 prompt in prefill, and a move that recomputes can cost more than it saves.
+Where the KV moves along nothing is recomputed, and the rule is the seed's:
+strictly less pending prefill.
 With `migrate` off this is the "affinity" router: a session never leaves a host
 that runs.
 """
@@ -55,13 +59,16 @@ class SessionHost:
             return [host]
         here = prefill_wait(host, request.prompt_tokens, host.cached_tokens)
         carried = host.cached_tokens if self.move_kv and host.moves_kv else 0
-        waits = {}
+        costs = {}
         for e in endpoints:
             if e is host or e.full or (e.kv_free_tokens is not None and e.kv_free_tokens < session.context_tokens):
                 continue
-            waits[e.instance_id] = prefill_wait(e, request.prompt_tokens, max(e.cached_tokens, carried if e.moves_kv else 0))
-        least = min(waits.values(), default=None)
-        # Strictly less wait; from a full host, which cannot take the request now, no more.
+            held = max(e.cached_tokens, carried if e.moves_kv else 0)
+            # The prefill the move adds to the pool (the context recomputed) counts once more: a move must save
+            # the request more wait than the work it makes the target's other requests wait behind.
+            costs[e.instance_id] = prefill_wait(e, request.prompt_tokens, held) + max(0, host.cached_tokens - held)
+        least = min(costs.values(), default=None)
+        # Strictly cheaper; from a full host, which cannot take the request now, no dearer.
         if least is None or least > here or (least == here and not host.full):
             return [host]
-        return [e for e in endpoints if waits.get(e.instance_id) == least]
+        return [e for e in endpoints if costs.get(e.instance_id) == least]

@@ -30,11 +30,20 @@ def test_a_hot_host_moves_the_session_to_the_least_loaded_instance_that_can_hold
 
 def test_a_move_that_recomputes_counts_the_context_against_the_wait_it_saves(ear):
     # The host holds 11k of the 12k-token prompt: 1k to compute behind 9k queued, 10k in all. An idle instance
-    # would compute all 12k: more than staying. One holding 8k of it (say a shared prefix) would compute 4k.
+    # would compute all 12k: more than staying. One holding 8k of it (say a shared prefix) would compute 4k, 3k
+    # of them recomputed context: 7k.
     pool = endpoints(9000, 0, 0, cached_tokens=[11_000, 0, 8_000])
     turn = request(host="i0", prompt_tokens=12_000, context_tokens=11_000)
     assert ear.choose(turn, pool[:2]).instance_id == "i0"
     assert (ear.choose(turn, pool).instance_id, ear.choose(turn, pool).moved_from) == ("i2", "i0")
+
+
+def test_a_move_that_recomputes_must_save_more_than_the_work_it_adds(ear):
+    # Staying: 20k queued + 1k new. Moving to the idle i1 recomputes 11k of context: the request waits 12k, but
+    # the 11k it adds to the pool count too (23k), so it stays; behind 25k queued it moves.
+    turn = request(host="i0", prompt_tokens=12_000, context_tokens=11_000)
+    assert ear.choose(turn, endpoints(20_000, 0, cached_tokens=[11_000, 0])).instance_id == "i0"
+    assert ear.choose(turn, endpoints(25_000, 0, cached_tokens=[11_000, 0])).instance_id == "i1"
 
 
 def test_a_move_that_carries_the_kv_counts_only_the_new_tokens_and_needs_both_ends_to_move_it(ear):
