@@ -253,7 +253,8 @@ def table_row(rs: list[dict]) -> dict:
         "ttft_p99_s": spread([r["ttft_s"]["p99"] for r in rs]), "apc": spread([r["apc"] for r in rs]),
         "worst_instance_ttft_p90_s": spread([r["instance_ttft_p90_s"]["max"] for r in rs]),
         "errors": sum(r["failed"] + r["not_sent"] for r in rs), "migrations": spread([r["migrations"] for r in rs]),
-        "kv_moves": spread([r["kv_moves"] for r in rs]),
+        "kv_moves": spread([r["kv_moves"] for r in rs]), "thrash_sessions": spread([r["thrash_sessions"] for r in rs]),
+        "amplification": spread([r["amplification"] for r in rs]),
     }
 
 if __name__ == "__main__":

@@ -141,6 +141,9 @@ def main() -> None:
         "apc_ear_of_capacity_bound": round(apc["ear"] / apc_capacity, 3) if apc["ear"] is not None and apc_capacity else None,
         "ttft_p90_s": {k: v["ttft_p90_s"]["median"] for k, v in table.items()},
         "worst_instance_ttft_p90_s": {k: v["worst_instance_ttft_p90_s"]["median"] for k, v in table.items()},
+        "amplification": {k: v["amplification"]["median"] for k, v in table.items()},
+        "migrations": table.get("ear", {}).get("migrations", {}).get("median"),
+        "thrash_sessions": table.get("ear", {}).get("thrash_sessions", {}).get("median"),
         "routers": table,
     }))
 
