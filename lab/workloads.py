@@ -20,7 +20,7 @@ from shared.contracts.config import ConfigError
 from shared.contracts.mooncake import MooncakeRequest, conversations, is_mooncake, read_mooncake
 from shared.contracts.trace import TraceRequest, read_trace
 from simulation.mooncake import SHAPES as MOONCAKE_SHAPES
-from simulation.mooncake import generate_mooncake, mooncake_to_agentic
+from simulation.mooncake import generate_mooncake, mooncake_to_agentic, stretch
 from simulation.agentic import AgenticShape, BurstyShape, generate_agentic, generate_bursty
 
 
@@ -56,7 +56,8 @@ class Sustained(Lengths):
 class Diurnal(Lengths):
     """A day's Poisson traffic: trough at `trough_at_s` (4 am), peak 12 h later, a raised cosine in between
     to the power `peakiness` (1: a plain cosine, mean half the peak; 3: busy hours, quiet nights, mean 0.31
-    of the peak). `compress` shrinks the day (24 h in 24 h / compress) at the same rates: the same shape in
+    of the peak). `bursts` windows of `burst_s` at seeded random times multiply the rate by `burst_factor`
+    (none by default). `compress` shrinks the day (24 h in 24 h / compress) at the same rates: the same shape in
 fewer requests, for quick runs (a policy's delays and cooldowns do not shrink with it)."""
 
     peak_rate: float = 8.0
@@ -65,6 +66,9 @@ fewer requests, for quick runs (a policy's delays and cooldowns do not shrink wi
     trough_at_s: float = 4 * 3600.0
     peakiness: float = 1.0
     compress: float = 1.0
+    bursts: int = 0
+    burst_s: float = 900.0
+    burst_factor: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -113,16 +117,25 @@ def generate(name: str, seed: int, overrides: dict[str, Any] | None = None) -> l
     elif isinstance(shape, Sustained):
         arrivals = _poisson(rng, lambda t: np.full_like(t, shape.rate), shape.duration_s, shape.rate)
     else:
-        arrivals = _poisson(rng, lambda t: diurnal_rate(shape, t), shape.duration_s / shape.compress, shape.peak_rate)
+        span_s = shape.duration_s / shape.compress
+        # Drawn only when asked for, so a day without bursts is the same day it always was for its seed.
+        bursts = np.sort(rng.uniform(0.0, span_s, shape.bursts)) if shape.bursts else np.empty(0)
+        envelope = shape.peak_rate * max(1.0, shape.burst_factor if shape.bursts else 1.0)
+        arrivals = _poisson(rng, lambda t: diurnal_rate(shape, t, bursts), span_s, envelope)
     return _requests(arrivals, rng, shape)
 
 
-def diurnal_rate(shape: Diurnal, t: np.ndarray) -> np.ndarray:
-    """Requests per second at `t` (seconds of the compressed day)."""
+def diurnal_rate(shape: Diurnal, t: np.ndarray, bursts: np.ndarray = np.empty(0)) -> np.ndarray:
+    """Requests per second at `t` (seconds of the compressed day), `bursts` the sorted starts of its bursts."""
     day = 86_400.0 / shape.compress
     phase = 2 * math.pi * (t - shape.trough_at_s / shape.compress) / day
     rise = ((1 - np.cos(phase)) / 2) ** shape.peakiness
-    return shape.trough_rate + (shape.peak_rate - shape.trough_rate) * rise
+    rate = shape.trough_rate + (shape.peak_rate - shape.trough_rate) * rise
+    if not len(bursts):
+        return rate
+    latest = np.searchsorted(bursts, t, side="right") - 1  # the last burst started at or before t
+    inside = (latest >= 0) & (t < bursts[np.maximum(latest, 0)] + shape.burst_s / shape.compress)
+    return np.where(inside, rate * shape.burst_factor, rate)
 
 
 def _poisson(rng: np.random.Generator, rate: Any, duration_s: float, peak: float) -> np.ndarray:
@@ -149,20 +162,29 @@ def load(spec: str, seed: int, overrides: dict[str, Any] | None = None) -> tuple
     A Mooncake trace, read or generated (`mooncake-conversation`, `mooncake-toolagent`), becomes agentic sessions
     by its inferred conversations (`simulation/mooncake.py`): a turn's delay is the time since its predecessor's
     arrival, which the lab counts from the predecessor's answer, so a turn comes later by that answer's time
-    (seconds, against conversations' gaps of minutes)."""
+    (seconds, against conversations' gaps of minutes). Its one setting, `workload.span_s`, spreads its arrivals
+    over that many seconds (`stretch`: an hour's trace over a day)."""
     path = Path(spec)
     if spec in MOONCAKE_SHAPES:
-        if overrides:
-            raise ConfigError("workload", f"{spec} takes no workload.* settings (its statistics are the release's)")
-        return spec, _agentic(generate_mooncake(MOONCAKE_SHAPES[spec], seed))
+        return spec, _agentic(generate_mooncake(MOONCAKE_SHAPES[spec], seed), overrides)
     if spec not in SHAPES and (path.suffix in (".jsonl", ".json") or path.exists()):
-        if overrides:
-            raise ConfigError("workload", "a trace file takes no workload.* settings")
         if is_mooncake(path):
-            return path.stem, _agentic(read_mooncake(path))
+            return path.stem, _agentic(read_mooncake(path), overrides)
+        if overrides:
+            raise ConfigError("workload", "an agentic trace file takes no workload.* settings")
         return path.stem, read_trace(path)
     return spec, generate(spec, seed, overrides)
 
 
-def _agentic(requests: list[MooncakeRequest]) -> list[TraceRequest]:
+def _agentic(requests: list[MooncakeRequest], overrides: dict[str, Any] | None) -> list[TraceRequest]:
+    settings = dict(overrides or {})
+    span = settings.pop("span_s", None)
+    if settings:
+        raise ConfigError(f"workload.{next(iter(settings))}", "a Mooncake trace takes only workload.span_s (its "
+                                                              "lengths and arrival pattern are the trace's)")
+    if span is not None:
+        try:
+            requests = stretch(requests, float(span))
+        except ValueError:
+            raise ConfigError("workload.span_s", f"{span!r} is not a positive number of seconds") from None
     return mooncake_to_agentic(requests, conversations(requests))
