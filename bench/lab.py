@@ -11,14 +11,14 @@ real pool (every service as a process, simulated engines) on Postgres and NATS.
 2. heldout: the hybrid calibrated (`modelpool calibrate`'s pipeline,
    `lab.calibrate.calibrate_on`) on the calibration day compressed 12-fold, then
    every policy (`lab/heldout.py`: hybrid calibrated and at seed 000's defaults,
-   HeteroScale with the calibrated target, utilization, latency, periodic by
-   Little's law hour by hour, always-on vLLM sized to the hybrid's SLO
+   HeteroScale with the calibrated target, utilization, latency, periodic hour
+   by hour at HeteroScale's target, always-on vLLM sized to the hybrid's SLO
    attainment) on another day: another seed, peak hour, peakiness and bursts.
-3. mooncake: the same policies and calibration on a day driven by the Mooncake
-   conversation trace's arrivals, its hour stretched to 24 h (lengths and
-   conversations as they are): the trace generated to the released trace's
-   published statistics (`simulation/mooncake.py`), or the released file given
-   with `--trace`.
+3. mooncake: the same policies and calibration on a day at the Mooncake
+   conversation trace's arrival rate: the rate curve of its hour, read off the
+   released file (`simulation/mooncake_rate.py`), or of the file given with
+   `--trace`, stretched over 24 h and scaled to the held-out day's peak, with
+   the diurnal days' request lengths (`lab.heldout.MOONCAKE_DAY`).
 4. bursty: hybrid, HeteroScale (its target from the same calibration), utilization,
    latency, and periodic (a constant schedule sized for the trace's mean load):
    SLO attainment and scale actions per policy.
@@ -55,10 +55,12 @@ sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != R
 from lab import workloads  # noqa: E402
 from lab.calibrate import Calibration, calibrate_on  # noqa: E402
 from lab.config import LabSettings, apply_sets, load_lab_pool, parse_sets  # noqa: E402
-from lab.heldout import (CALIBRATION_COMPRESS, CALIBRATION_DAY, Comparison, KEYS,  # noqa: E402
-                         held_out_days, score_policies)
+from lab.heldout import (CALIBRATION_COMPRESS, CALIBRATION_DAY, MOONCAKE_DAY, Comparison, KEYS,  # noqa: E402
+                         Day, held_out_days, score_policies)
 from lab.results import RunResult, brief, run  # noqa: E402
 from shared.contracts.config import AliasConfig, ControllerConfig  # noqa: E402
+from shared.contracts.mooncake import read_mooncake  # noqa: E402
+from simulation.mooncake_rate import rate_from_timestamps  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # the bench harness, once `lab` is the package
 
@@ -66,7 +68,6 @@ BURSTY = {"requests": 4000, "span_s": 900, "bursts": 6, "burst_s": 20, "burst_sh
           "output_tokens": 256}
 POLICIES = ("hybrid", "heteroscale", "utilization", "latency", "periodic")
 SECTIONS = ("speed", "heldout", "mooncake", "bursty", "agreement")
-MOONCAKE_DAY_S = 86_400
 
 
 def say(text: str) -> None:
@@ -124,12 +125,16 @@ def heldout(seed: int, calibration: Calibration) -> Comparison:
 
 
 def mooncake_day(seed: int, calibration: Calibration, trace_file: Path | None) -> Comparison:
-    """The Mooncake conversation trace's hour (generated to the published statistics, or the released file)
-    stretched over a day: its arrivals' timing, lengths and conversations."""
-    spec = str(trace_file) if trace_file else "mooncake-conversation"
-    _, trace = workloads.load(spec, seed, {"span_s": str(MOONCAKE_DAY_S)})
-    say(f"Mooncake day ({spec} over {MOONCAKE_DAY_S} s): {len(trace)} requests")
-    return score_policies(*lab_pool(seed), trace, calibration, say=lambda text: say(f"Mooncake day: {text}"))
+    """A day at the Mooncake conversation hour's arrival rate (the released file's, read off it in samples, or
+    `trace_file`'s own timestamps'), stretched over 24 h, at the held-out day's peak and lengths."""
+    day = Day(held_out_days(seed)[1].seed, MOONCAKE_DAY, "mooncake-day")
+    if trace_file:
+        curve = rate_from_timestamps([r.timestamp for r in read_mooncake(trace_file)])
+        trace = workloads.curve_day(curve, day.seed, {k: str(v) for k, v in day.shape.items()})
+    else:
+        trace = day.trace()
+    say(f"Mooncake day ({trace_file or 'the released conversation trace'}'s rate, {day.shape}): {len(trace)} requests")
+    return score_policies(*lab_pool(day.seed), trace, calibration, say=lambda text: say(f"Mooncake day: {text}"))
 
 
 def bursty(seed: int, target_tps: float | None) -> dict[str, Any]:
@@ -217,7 +222,7 @@ def main() -> None:
     for name, figure, title, compare in (
             ("heldout", "lab_heldout.png", "the held-out day (calibrated on another)",
              lambda: heldout(args.seed, calibration)),
-            ("mooncake", "lab_mooncake_day.png", "the Mooncake conversation trace's hour stretched to 24 h",
+            ("mooncake", "lab_mooncake_day.png", "a day at the Mooncake conversation trace's arrival rate",
              lambda: mooncake_day(args.seed, calibration, args.trace))):
         if name not in sections:
             continue

@@ -9,10 +9,13 @@ on any other trace (`score_policies`):
 - the hybrid with the calibrated parameters, and with seed 000's defaults;
 - HeteroScale, its target from the same calibration (0.7 x the saturated decode rate);
 - utilization and latency at their defaults;
-- periodic, an hourly schedule sized by Little's law from the scored day's own
-  arrivals (instances = arrivals per second x mean E2E / an instance's capacity,
-  each hour's instances started a vLLM start-up ahead of it): a schedule that
-  knows the day in advance, the strongest a fixed schedule can be;
+- periodic, an hourly schedule sized from the scored day's own arrivals for the
+  utilisation HeteroScale targets: each hour, the decode tokens per second its
+  requests ask for over HeteroScale's target per instance (0.7 x the saturated
+  decode rate, the same calibration), so each instance runs at 70 % of its
+  saturated rate on the hour's mean and has 30 % headroom; each hour's
+  instances started a vLLM start-up ahead of it. A schedule that knows the day
+  in advance and scales as HeteroScale would on each hour's mean;
 - always-on vLLM, the fewest instances that meet the calibrated hybrid's SLO
   attainment (doubling, then bisection).
 
@@ -34,14 +37,20 @@ from lab.config import LabSettings, tier_models
 from lab.results import RunResult, brief, run
 from shared.contracts.backends import BackendType
 from shared.contracts.config import AliasConfig, ControllerConfig
+from shared.contracts.policies import HeteroScaleConfig
 from shared.contracts.trace import TraceRequest
 
 CALIBRATION_DAY = {"peak_rate": 12, "trough_rate": 0.02, "output_tokens": 2048, "peakiness": 3}
 """Busy afternoons, quiet nights: peak 12 requests/s at 4 pm, 0.02 at 4 am, answers of 2,048 tokens median."""
 SCORED_DAY = {**CALIBRATION_DAY, "peakiness": 2, "trough_at_s": 7 * 3600, "bursts": 8, "burst_s": 900,
-              "burst_factor": 1.5}
+              "burst_peak_share": 0.5}
 """The same service on another day: peak at 7 pm, a broader busy period (peakiness 2), and eight 15-minute bursts
-at 1.5 x the rate at random times, which the calibration day does not have."""
+at random times, each adding half the peak rate (6 requests/s) wherever it lands, which the calibration day does
+not have."""
+MOONCAKE_DAY = {"peak_rate": SCORED_DAY["peak_rate"], "output_tokens": SCORED_DAY["output_tokens"]}
+"""A day at the Mooncake conversation trace's arrival rate (`mooncake-day`: its hour's curve over 24 h), its peak
+the scored day's and its requests' lengths the diurnal days' (prompts 512 tokens median, answers 2,048), so
+that the SLO is within reach and the day measures the scaling, not prompt length."""
 CALIBRATION_COMPRESS = 12
 """The calibration's search runs the calibration day compressed 12-fold (24 h in 2 h), as `modelpool calibrate`
 would be run for a quick answer."""
@@ -56,11 +65,12 @@ KEYS = ("hybrid", "hybrid_defaults", "heteroscale", "utilization", "latency", "p
 class Day:
     seed: int
     shape: dict[str, float]
-    """`diurnal` workload settings."""
+    """The workload's settings."""
+    workload: str = "diurnal"
 
     def trace(self, compress: float = 1.0) -> list[TraceRequest]:
         settings = {**self.shape, **({"compress": compress} if compress != 1.0 else {})}
-        return workloads.load("diurnal", self.seed, {k: str(v) for k, v in settings.items()})[1]
+        return workloads.load(self.workload, self.seed, {k: str(v) for k, v in settings.items()})[1]
 
 
 def held_out_days(seed: int) -> tuple[Day, Day]:
@@ -75,8 +85,8 @@ class Comparison:
     always_on_instances: int
     always_on_tried: list[dict[str, Any]]
     periodic_schedule: list[tuple[float, int]]
-    mean_e2e_s: float
-    """The always-on pool's mean E2E: the time a request holds an instance in the periodic schedule's sizing."""
+    periodic_target_tps: float
+    """The decode tokens per second per instance the periodic schedule is sized for (HeteroScale's target)."""
     requests: int
 
     def table(self) -> dict[str, Any]:
@@ -87,7 +97,7 @@ class Comparison:
                          "gpu_mem_ratio_to_always_on": round(r.summary["gpu_mem_s"] / always, 3)}
                      for k, r in self.runs.items()},
             "always_on_instances": self.always_on_instances, "always_on_tried": self.always_on_tried,
-            "periodic_schedule": self.periodic_schedule, "mean_e2e_s": round(self.mean_e2e_s, 2),
+            "periodic_schedule": self.periodic_schedule, "periodic_target_tps": self.periodic_target_tps,
         }
 
 
@@ -107,14 +117,19 @@ def score_policies(alias: AliasConfig, controller: ControllerConfig, lab: LabSet
             f"{s['scale_actions']} scale actions")
         return result
 
-    target = calibration.heteroscale_target_tps
+    # With no saturated rate in the calibration's record, HeteroScale runs (and periodic is sized) at its default.
+    target = calibration.heteroscale_target_tps or HeteroScaleConfig().target_decode_tps_per_instance
+    slow = tier_models(alias)[BackendType.VLLM]
+    schedule = hourly_schedule(trace, target, lead_s=slow.startup_s)
     runs = {
         "hybrid": scored("hybrid, calibrated", {"name": "hybrid", **calibration.params}),
         "hybrid_defaults": scored("hybrid, seed 000 defaults", {"name": "hybrid"}),
-        "heteroscale": scored("heteroscale", {"name": "heteroscale",
-                                              **({"target_decode_tps_per_instance": target} if target else {})}),
+        "heteroscale": scored("heteroscale", {"name": "heteroscale", "target_decode_tps_per_instance": target}),
         "utilization": scored("utilization", {"name": "utilization"}),
         "latency": scored("latency", {"name": "latency"}),
+        "periodic": scored("periodic, hourly at HeteroScale's target", {
+            "name": "periodic", "schedule": [list(entry) for entry in schedule], "min_instances": 1,
+            "max_instances": max(n for _, n in schedule)}),
     }
 
     tried: dict[int, RunResult] = {}
@@ -137,35 +152,27 @@ def score_policies(alias: AliasConfig, controller: ControllerConfig, lab: LabSet
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if always_on(mid).summary["slo_attainment"] >= goal else (mid, high)
-    always = tried[high]
-
-    answered = [s.e2e for s in always.served if s.e2e is not None]
-    mean_e2e = sum(answered) / len(answered) if answered else 0.0
-    slow = tier_models(alias)[BackendType.VLLM]
-    schedule = little_schedule(trace, mean_e2e, slow.capacity, lead_s=slow.startup_s)
-    runs["periodic"] = scored("periodic, hourly by Little's law", {
-        "name": "periodic", "schedule": [list(entry) for entry in schedule], "min_instances": 1,
-        "max_instances": max(n for _, n in schedule)})
-    runs["always_on"] = always
+    runs["always_on"] = tried[high]
     return Comparison(
         runs={k: runs[k] for k in KEYS}, always_on_instances=high,
         always_on_tried=[{"instances": k, "slo_attainment": r.summary["slo_attainment"]}
                          for k, r in sorted(tried.items())],
-        periodic_schedule=schedule, mean_e2e_s=mean_e2e, requests=len(trace))
+        periodic_schedule=schedule, periodic_target_tps=target, requests=len(trace))
 
 
-def little_schedule(trace: list[TraceRequest], mean_e2e_s: float, capacity: int, lead_s: float,
+def hourly_schedule(trace: list[TraceRequest], target_decode_tps: float, lead_s: float,
                     hour_s: float = HOUR_S) -> list[tuple[float, int]]:
     """Instances per hour of the day for the trace's own arrivals (a later turn counted at its session's start
-    plus the delays before it): ceil(arrivals per second x mean E2E / capacity), at least one; each hour's
-    count from `lead_s` before the hour, so its instances are up when it begins. Hours repeat by the day."""
-    per_hour: Counter[int] = Counter()
+    plus the delays before it): ceil(the hour's answer tokens per second / `target_decode_tps`), at least one;
+    each hour's count from `lead_s` before the hour, so its instances are up when it begins. Hours repeat by the
+    day."""
+    tokens: Counter[int] = Counter()
     clock: dict[str, float] = {}
     for r in trace:
         clock[r.session_id] = (0.0 if r.turn == 0 else clock[r.session_id]) + r.delay_s
-        per_hour[int(clock[r.session_id] // hour_s) % round(86_400 / hour_s)] += 1
+        tokens[int(clock[r.session_id] // hour_s) % round(86_400 / hour_s)] += r.output_tokens
     hours = round(86_400 / hour_s)
-    counts = [max(1, math.ceil(per_hour[h] / hour_s * mean_e2e_s / capacity)) for h in range(hours)]
+    counts = [max(1, math.ceil(tokens[h] / hour_s / target_decode_tps)) for h in range(hours)]
     # Hour 0's instances are up from the start: the lead would put them at the end of the previous day.
     schedule = [(0.0, counts[0])] + [(h * hour_s - lead_s, counts[h]) for h in range(1, hours)]
     merged: list[tuple[float, int]] = []

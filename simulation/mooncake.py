@@ -155,20 +155,6 @@ def _pick_follow_up(rng: np.random.Generator, conversations: list[_Conversation]
     return recent[int(rng.choice(len(recent), p=weights / weights.sum()))]
 
 
-def stretch(requests: list[MooncakeRequest], span_s: float) -> list[MooncakeRequest]:
-    """The trace with its arrivals spread over `span_s` seconds: each timestamp, counted from the first, scaled by
-    `span_s` over the trace's span, so the rate keeps its shape over time at a proportionally lower level (an
-    hour over a day: the hour's minute-to-minute swings become the day's, 24 minutes each, at 1/24 of the rate).
-    Lengths and blocks are the trace's."""
-    if span_s <= 0:
-        raise ValueError(f"span_s must be positive, not {span_s}")
-    if len(requests) < 2 or requests[-1].timestamp == requests[0].timestamp:
-        return list(requests)
-    first = requests[0].timestamp
-    factor = span_s * 1000 / (requests[-1].timestamp - first)
-    return [r.model_copy(update={"timestamp": round((r.timestamp - first) * factor)}) for r in requests]
-
-
 def statistics(requests: list[MooncakeRequest]) -> dict:
     """What a Mooncake trace looks like, for a reader to set beside the published figures."""
     reusable, total = reuse_bound(requests)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from lab import workloads
 from lab.calibrate import Calibration
 from lab.config import LabSettings, apply_sets, load_lab_pool, parse_sets
-from lab.heldout import KEYS, Day, held_out_days, little_schedule, score_policies
-from simulation.mooncake import SHAPES, generate_mooncake, stretch
+from lab.heldout import KEYS, MOONCAKE_DAY, Day, held_out_days, hourly_schedule, score_policies
+from simulation.mooncake import SHAPES, generate_mooncake
+from simulation.mooncake_rate import (CONVERSATION_RATE, CONVERSATION_SAMPLES, FILE_CHARS, SPAN_MS, rate_from_samples,
+                                      rate_from_timestamps)
 
 
 def hourly(day: Day) -> np.ndarray:
@@ -23,32 +27,60 @@ def test_the_scored_day_is_another_seed_peak_hour_peakiness_and_burst_pattern():
         "trough_at_s", "peakiness", "bursts"}
     cal, score = hourly(calibration), hourly(scored)
     assert cal.argmax() == 16 and score.argmax() in (18, 19, 20)  # 4 pm against 7 pm, give or take a burst
-    assert score[8:12].sum() < cal[8:12].sum() / 2 and score[0:3].sum() > 5 * cal[0:3].sum()
+    # Without its bursts, the scored day is quieter in the morning and busier in the night.
+    cal_at, score_at = (workloads.diurnal_rate(workloads.shape_named("diurnal", {k: str(v) for k, v in d.shape.items()}),
+                                               np.array([2 * 3600.0, 10 * 3600.0])) for d in (calibration, scored))
+    assert score_at[1] < cal_at[1] / 2 and score_at[0] > 5 * cal_at[0]
 
 
 def test_a_diurnal_day_without_bursts_is_the_day_it_always_was():
     plain = workloads.load("diurnal", 3, {"compress": "48"})[1]
-    bursty = workloads.load("diurnal", 3, {"compress": "48", "bursts": "4", "burst_factor": "3"})[1]
+    bursty = workloads.load("diurnal", 3, {"compress": "48", "bursts": "4", "burst_peak_share": "1"})[1]
     assert len(plain) == 7402 and plain[0].delay_s == 0.314  # as generated before bursts existed
     assert len(bursty) > len(plain) * 1.05
 
 
-def test_a_mooncake_hour_stretched_over_a_day_keeps_its_order_lengths_and_shape():
-    hour = generate_mooncake(SHAPES["mooncake-conversation"], 1, requests=600)
-    day = stretch(hour, 86_400)
-    assert [r.input_length for r in day] == [r.input_length for r in hour]
-    assert day[0].timestamp == 0 and day[-1].timestamp == 86_400_000
-    factor = 86_400_000 / (hour[-1].timestamp - hour[0].timestamp)
-    assert all(abs(d.timestamp - (h.timestamp - hour[0].timestamp) * factor) <= 1 for d, h in zip(day, hour))
-    _, trace = workloads.load("mooncake-conversation", 1, {"span_s": "7200"})
-    assert trace[0].delay_s == 0 and 7000 < max(r.delay_s for r in trace if r.turn == 0) <= 7200
+def test_a_burst_adds_the_same_rate_in_a_quiet_hour_as_in_a_busy_one():
+    shape = workloads.shape_named("diurnal", {"peak_rate": "12", "trough_rate": "0.02", "burst_peak_share": "0.5"})
+    bursts = np.array([4 * 3600.0, 16 * 3600.0])  # at the trough and at the peak
+    t = np.array([4 * 3600.0 + 60, 16 * 3600.0 + 60])
+    added = workloads.diurnal_rate(shape, t, bursts) - workloads.diurnal_rate(shape, t)
+    assert np.allclose(added, 6.0)
 
 
-def test_a_periodic_schedule_by_littles_law_starts_each_hour_ahead():
+def test_the_conversation_rate_is_its_samples_and_holds_the_published_request_count():
+    assert rate_from_samples(CONVERSATION_SAMPLES, SPAN_MS) == CONVERSATION_RATE
+    offsets = [x for x, _, _, _ in CONVERSATION_SAMPLES]
+    assert offsets == sorted(offsets) and offsets[-1] + CONVERSATION_SAMPLES[-1][1] <= FILE_CHARS
+    assert len(CONVERSATION_RATE.points) == 40
+    assert abs(CONVERSATION_RATE.requests() / 12_031 - 1) < 0.02  # the README's count, within the sampling's error
+
+
+def test_the_rate_of_a_trace_s_own_timestamps_counts_every_request():
+    hour = generate_mooncake(SHAPES["mooncake-conversation"], 1, requests=3000)
+    curve = rate_from_timestamps([r.timestamp for r in hour], intervals=20)
+    assert len(curve.points) == 20 and abs(curve.requests() - len(hour)) < 1
+
+
+def test_a_mooncake_day_is_the_conversation_hour_s_rate_stretched_and_scaled_to_the_peak():
+    shape = workloads.shape_named("mooncake-day", {k: str(v) for k, v in MOONCAKE_DAY.items()})
+    minutes, rates = np.array(CONVERSATION_RATE.points).T
+    top = minutes[rates.argmax()]
+    at = np.array([0.0, top / CONVERSATION_RATE.span_min * 86_400, 86_400.0])
+    expected = [12 * rates[0] / rates.max(), 12.0, 12 * rates[-1] / rates.max()]
+    assert np.allclose(workloads.curve_rate(CONVERSATION_RATE, shape, at), expected)
+    day = Day(1, MOONCAKE_DAY, "mooncake-day").trace(compress=48)  # half an hour for the day: same shape, quick
+    mean = CONVERSATION_RATE.requests() / (CONVERSATION_RATE.span_min * 60) / rates.max() * 12
+    assert abs(len(day) / (mean * 1800) - 1) < 0.03
+    assert 300 < np.median([r.new_input_tokens for r in day]) < 900  # the diurnal days' lengths, not the trace's
+
+
+def test_a_periodic_schedule_sizes_each_hour_for_heteroscale_s_target_and_starts_it_ahead():
     day = workloads.load("sustained", 0, {"rate": "2", "duration_s": "7200"})[1]  # two busy hours, then none
-    schedule = little_schedule(day, mean_e2e_s=38.0, capacity=4, lead_s=60.0)
-    # 2/s x 38 s / 4 = 19 instances in each busy hour, one in the idle ones from a minute before the third hour.
-    assert schedule[0][0] == 0.0 and all(18 <= n <= 20 for _, n in schedule[:-1])
+    schedule = hourly_schedule(day, target_decode_tps=100.0, lead_s=60.0)
+    first_hour = sum(r.output_tokens for r in day if r.delay_s < 3600)
+    # Each hour's answer tokens per second over the target per instance: 2/s x about 256 tokens / 100 = 6.
+    assert schedule[0] == (0.0, math.ceil(first_hour / 3600 / 100.0)) and 5 <= schedule[0][1] <= 7
     assert schedule[-1] == (2 * 3600 - 60.0, 1) and {at for at, _ in schedule[1:-1]} <= {3600 - 60.0}
 
 
@@ -71,3 +103,4 @@ def test_every_policy_runs_on_the_scored_trace_and_is_reported():
     assert runs["always_on"]["slo_attainment"] >= runs["hybrid"]["slo_attainment"]
     assert table["always_on_tried"][-1]["instances"] >= table["always_on_instances"]
     assert runs["hybrid"]["label"] == "hybrid, calibrated" and runs["always_on"]["label"].startswith("always-on,")
+    assert table["periodic_target_tps"] == 500.0 and runs["periodic"]["scale_actions"] >= 1
