@@ -1,5 +1,5 @@
-"""The policy lab: its speed, the hybrid policy against an always-on vLLM pool, HeteroScale against the baselines,
-and how well the lab agrees with the pool.
+"""The policy lab: its speed, every policy on a day its parameters never saw, HeteroScale against the baselines
+on a bursty trace, and how well the lab agrees with the pool.
 
 Every cluster here is the lab's (`lab/`): lab models of the simulated engines'
 profiles, no engine process, virtual time. The agreement section alone runs the
@@ -8,23 +8,27 @@ real pool (every service as a process, simulated engines) on Postgres and NATS.
 1. speed: a 24 h diurnal day (busy hours, quiet nights) under HeteroScale sized
    to reach 100 instances at the peak (`target_decode_tps_per_instance` 300,
    `max_instances` 100), on one core; `--repeats` runs, median and spread.
-2. memory at the same SLO, on the same day: the hybrid policy with calibrated
-   parameters (`modelpool calibrate`: estimates from a day compressed 12-fold,
-   seed 000 §13.7's initial values, a search on that compressed day) against an
-   always-on vLLM pool of the fewest instances that meets the hybrid's SLO
-   attainment; GPU-memory-seconds (the integral of M_t, §13.4) as a ratio.
-   Seed 000's default parameters are run too, for reference.
-3. the bursty trace: hybrid, HeteroScale (its target from the same calibration,
-   0.7 x the saturated decode rate), utilization, latency, and periodic (a
-   constant schedule sized for the trace's mean load): SLO attainment and scale
-   actions per policy.
-4. agreement: one trace and pool file through the real pool and the lab, the
+2. heldout: the hybrid calibrated (`modelpool calibrate`'s pipeline,
+   `lab.calibrate.calibrate_on`) on the calibration day compressed 12-fold, then
+   every policy (`lab/heldout.py`: hybrid calibrated and at seed 000's defaults,
+   HeteroScale with the calibrated target, utilization, latency, periodic hour
+   by hour at HeteroScale's target, always-on vLLM sized to the hybrid's SLO
+   attainment) on another day: another seed, peak hour, peakiness and bursts.
+3. mooncake: the same policies and calibration on a day at the Mooncake
+   conversation trace's arrival rate: the rate curve of its hour, read off the
+   released file (`simulation/mooncake_rate.py`), or of the file given with
+   `--trace`, stretched over 24 h and scaled to the held-out day's peak, with
+   the diurnal days' request lengths (`lab.heldout.MOONCAKE_DAY`).
+4. bursty: hybrid, HeteroScale (its target from the same calibration), utilization,
+   latency, and periodic (a constant schedule sized for the trace's mean load):
+   SLO attainment and scale actions per policy.
+5. agreement: one trace and pool file through the real pool and the lab, the
    lab once with the engines' configured start-up delays and once given the
    starts the pool measured (decision to RUNNING: an engine process comes up
-   later than its configured delay, which the lab does not model).
-   `--agreement-only` runs this section alone (about four minutes).
+   later than its configured delay, which the lab does not model); about four minutes.
 
     .venv/bin/python bench/lab.py --plot-dir docs/img
+    .venv/bin/python bench/lab.py --sections heldout,mooncake --trace conversation_trace.jsonl
 
 Progress on stderr; the last line on stdout is the JSON summary.
 """
@@ -49,20 +53,31 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench")]
 
 from lab import workloads  # noqa: E402
-from lab.calibrate import estimate, initial_parameters, search  # noqa: E402
+from lab.calibrate import Calibration, calibrate_on  # noqa: E402
 from lab.config import LabSettings, apply_sets, load_lab_pool, parse_sets  # noqa: E402
-from lab.results import RunResult, run  # noqa: E402
+from lab.heldout import (CALIBRATION_COMPRESS, CALIBRATION_DAY, MOONCAKE_DAY, Comparison, KEYS,  # noqa: E402
+                         Day, held_out_days, score_policies)
+from lab.results import RunResult, brief, run  # noqa: E402
+from shared.contracts.config import AliasConfig, ControllerConfig  # noqa: E402
+from shared.contracts.mooncake import read_mooncake  # noqa: E402
+from simulation.mooncake_rate import rate_from_timestamps  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # the bench harness, once `lab` is the package
 
-DAY = {"peak_rate": 12, "trough_rate": 0.02, "output_tokens": 2048, "peakiness": 3}
 BURSTY = {"requests": 4000, "span_s": 900, "bursts": 6, "burst_s": 20, "burst_share": 0.5, "input_tokens": 1000,
           "output_tokens": 256}
 POLICIES = ("hybrid", "heteroscale", "utilization", "latency", "periodic")
+SECTIONS = ("speed", "heldout", "mooncake", "bursty", "agreement")
 
 
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def lab_pool(seed: int) -> tuple[AliasConfig, ControllerConfig, LabSettings]:
+    pool = load_lab_pool(str(ROOT / "config" / "lab.yaml"))
+    alias, pool, lab = apply_sets(pool, None, parse_sets([]), LabSettings(seed=seed))
+    return alias, pool.controller, lab
 
 
 def lab_run(policy: str, workload: str, shape: dict[str, Any], sets: list[str], seed: int = 0,
@@ -74,23 +89,17 @@ def lab_run(policy: str, workload: str, shape: dict[str, Any], sets: list[str], 
     return run(alias, pool.controller, lab, trace)
 
 
-def brief(r: RunResult) -> dict[str, Any]:
-    s = r.summary
-    return {k: s[k] for k in ("requests", "lost", "slo_attainment", "ttft_s", "e2e_s", "scale_actions",
-                              "routing_switches", "gpu_mem_s", "objective", "wall_s")}
-
-
 def speed(repeats: int) -> dict[str, Any]:
     try:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core, as the target says
     except (AttributeError, OSError):
         pass
-    _, trace = workloads.load("diurnal", 0, {k: str(v) for k, v in DAY.items()})
+    _, trace = workloads.load("diurnal", 0, {k: str(v) for k, v in CALIBRATION_DAY.items()})
     walls, peaks = [], []
     for k in range(repeats):
         started = time.perf_counter()
-        r = lab_run("heteroscale", "diurnal", DAY, ["heteroscale.target_decode_tps_per_instance=300",
-                                                    "heteroscale.max_instances=100"], trace=trace)
+        r = lab_run("heteroscale", "diurnal", CALIBRATION_DAY, ["heteroscale.target_decode_tps_per_instance=300",
+                                                                "heteroscale.max_instances=100"], trace=trace)
         walls.append(time.perf_counter() - started)
         peaks.append(max(sum(s.awake.values()) for s in r.samples))
         say(f"speed {k + 1}/{repeats}: {len(trace)} requests, 24 h, peak {peaks[-1]} instances, {walls[-1]:.1f} s")
@@ -99,57 +108,33 @@ def speed(repeats: int) -> dict[str, Any]:
             "median_s": round(statistics.median(walls), 2)}
 
 
-def calibrated(seed: int) -> tuple[dict[str, Any], float | None, list[str]]:
-    """Hybrid parameters the way `modelpool calibrate` finds them, on the day compressed 12-fold."""
-    compressed = {**DAY, "compress": 12}
-    recorded = lab_run("hybrid", "diurnal", compressed, [], seed)
-    e = estimate(recorded.record)
-    lab = LabSettings(seed=seed)
-    init = initial_parameters(e, lab.objective.beta, lab.objective.gamma, 0.001)
-    pool = load_lab_pool(str(ROOT / "config" / "lab.yaml"))
-    alias, pool, lab = apply_sets(pool, None, parse_sets([]), lab)
-    _, trace = workloads.load("diurnal", seed, {k: str(v) for k, v in compressed.items()})
-    best, history = search(alias, pool.controller, lab, trace, init.params, rounds=8)
-    say(f"calibrated on the compressed day in {len(history)} lab runs: {best}")
-    return best, init.heteroscale_target_tps, init.derivation
+def calibrated(seed: int) -> Calibration:
+    """Hybrid parameters the way `modelpool calibrate` finds them, on the calibration day compressed 12-fold."""
+    day, _ = held_out_days(seed)
+    calibration = calibrate_on(*lab_pool(day.seed), day.trace(CALIBRATION_COMPRESS))
+    say(f"calibrated on the calibration day (seed {day.seed}, compressed {CALIBRATION_COMPRESS}-fold) in "
+        f"{calibration.lab_runs} lab runs: {calibration.params}")
+    return calibration
 
 
-def memory(seed: int, best: dict[str, Any]) -> dict[str, Any]:
-    _, trace = workloads.load("diurnal", seed, {k: str(v) for k, v in DAY.items()})
-    hybrid = lab_run("hybrid", "diurnal", DAY, [f"hybrid.{k}={v}" for k, v in best.items()], seed, trace)
-    default = lab_run("hybrid", "diurnal", DAY, [], seed, trace)
-    say(f"hybrid calibrated: SLO {hybrid.summary['slo_attainment']:.2%}, {hybrid.summary['gpu_mem_s'] / 3600:.0f} GB·h; "
-        f"defaults: {default.summary['slo_attainment']:.2%}, {default.summary['gpu_mem_s'] / 3600:.0f} GB·h")
-    target = hybrid.summary["slo_attainment"]
-    runs: dict[int, RunResult] = {}
+def heldout(seed: int, calibration: Calibration) -> Comparison:
+    _, day = held_out_days(seed)
+    trace = day.trace()
+    say(f"held-out day (seed {day.seed}, {day.shape}): {len(trace)} requests")
+    return score_policies(*lab_pool(day.seed), trace, calibration, say=lambda text: say(f"held-out day: {text}"))
 
-    def always_on(n: int) -> RunResult:
-        if n not in runs:
-            runs[n] = lab_run("periodic", "diurnal", DAY, [f"periodic.schedule=[[0,{n}]]", f"periodic.min_instances={n}",
-                                                           f"periodic.max_instances={n}"], seed, trace)
-            say(f"always-on {n} vLLM: SLO {runs[n].summary['slo_attainment']:.2%}")
-        return runs[n]
 
-    # The fewest always-on instances that meet the hybrid's attainment: doubling, then bisection.
-    high = 1
-    while always_on(high).summary["slo_attainment"] < target:
-        high *= 2
-        assert high <= 64, "no always-on pool up to 64 instances meets the hybrid's SLO"
-    low = high // 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        if always_on(mid).summary["slo_attainment"] >= target:
-            high = mid
-        else:
-            low = mid
-    n, always = high, runs[high]
-    tried = [{"instances": k, "slo_attainment": r.summary["slo_attainment"]} for k, r in sorted(runs.items())]
-    ratio = hybrid.summary["gpu_mem_s"] / always.summary["gpu_mem_s"]
-    hybrid.policy, default.policy, always.policy = "hybrid, calibrated", "hybrid, seed 000 defaults", f"always-on, {n} vLLM"
-    return {"hybrid": brief(hybrid), "hybrid_defaults": brief(default), "always_on": brief(always),
-            "always_on_instances": n, "always_on_tried": tried, "ratio": round(ratio, 3),
-            "ratio_defaults": round(default.summary["gpu_mem_s"] / always.summary["gpu_mem_s"], 3),
-            "_runs": [hybrid, default, always]}
+def mooncake_day(seed: int, calibration: Calibration, trace_file: Path | None) -> Comparison:
+    """A day at the Mooncake conversation hour's arrival rate (the released file's, read off it in samples, or
+    `trace_file`'s own timestamps'), stretched over 24 h, at the held-out day's peak and lengths."""
+    day = Day(held_out_days(seed)[1].seed, MOONCAKE_DAY, "mooncake-day")
+    if trace_file:
+        curve = rate_from_timestamps([r.timestamp for r in read_mooncake(trace_file)])
+        trace = workloads.curve_day(curve, day.seed, {k: str(v) for k, v in day.shape.items()})
+    else:
+        trace = day.trace()
+    say(f"Mooncake day ({trace_file or 'the released conversation trace'}'s rate, {day.shape}): {len(trace)} requests")
+    return score_policies(*lab_pool(day.seed), trace, calibration, say=lambda text: say(f"Mooncake day: {text}"))
 
 
 def bursty(seed: int, target_tps: float | None) -> dict[str, Any]:
@@ -211,39 +196,60 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot-dir", type=Path, help="write lab_diurnal.png and lab_bursty.png here")
-    parser.add_argument("--no-agreement", action="store_true", help="skip the run through the real pool")
-    parser.add_argument("--agreement-only", action="store_true", help="only the run through the real pool")
+    parser.add_argument("--plot-dir", type=Path,
+                        help="write lab_heldout.png, lab_mooncake_day.png and lab_bursty.png here")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, of {', '.join(SECTIONS)} (default all)")
+    parser.add_argument("--trace", type=Path, help="a Mooncake-format file (the released conversation trace) for the "
+                                                   "Mooncake day, in place of one generated to its statistics")
     args = parser.parse_args()
-    if args.agreement_only:
-        print(json.dumps(asyncio.run(agreement(args.seed))))
-        return
+    sections = [x for x in args.sections.split(",") if x]
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"unknown section(s) {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
 
-    fast = speed(args.repeats)
-    best, target_tps, derivation = calibrated(args.seed)
-    mem = memory(args.seed, best)
-    burst = bursty(args.seed, target_tps)
-    agree = None if args.no_agreement else asyncio.run(agreement(args.seed))
+    out: dict[str, Any] = {}
+    summary: dict[str, Any] = {}
+    plots: list[tuple[list[RunResult], str, str]] = []
+    if "speed" in sections:
+        out["speed"] = fast = speed(args.repeats)
+        summary |= {"lab_seconds_24h_100": fast["median_s"],
+                    "lab_seconds_24h_100_spread": [min(fast["seconds"]), max(fast["seconds"])]}
+    calibration = calibrated(args.seed) if {"heldout", "mooncake", "bursty"} & set(sections) else None
+    if calibration:
+        out["calibrated"] = {"settings": calibration.params,
+                             "heteroscale_target_tps": calibration.heteroscale_target_tps,
+                             "lab_runs": calibration.lab_runs, "derivation": calibration.derivation}
+    for name, figure, title, compare in (
+            ("heldout", "lab_heldout.png", "the held-out day (calibrated on another)",
+             lambda: heldout(args.seed, calibration)),
+            ("mooncake", "lab_mooncake_day.png", "a day at the Mooncake conversation trace's arrival rate",
+             lambda: mooncake_day(args.seed, calibration, args.trace))):
+        if name not in sections:
+            continue
+        comparison = compare()
+        out[name] = table = comparison.table()
+        summary[name] = {k: {m: table["runs"][k][m] for m in ("slo_attainment", "gpu_mem_s", "scale_actions",
+                                                               "gpu_mem_ratio_to_always_on")} for k in KEYS}
+        plots.append((list(comparison.runs.values()), figure, f"modelpool lab: {title}, every policy"))
+    if "heldout" in sections:
+        # The hybrid's GPU memory over the always-on pool's, now on the day it was not calibrated on.
+        summary["gpu_mem_s_ratio_hybrid_vs_always_on"] = out["heldout"]["runs"]["hybrid"]["gpu_mem_ratio_to_always_on"]
+    if "bursty" in sections:
+        burst = bursty(args.seed, calibration.heteroscale_target_tps)
+        plots.append((burst.pop("_runs"), "lab_bursty.png", "modelpool lab: bursty trace, five policies"))
+        out["bursty"] = burst
+        summary |= {"slo_attainment": {p: burst["runs"][p]["slo_attainment"] for p in POLICIES},
+                    "scale_actions": {p: burst["runs"][p]["scale_actions"] for p in POLICIES}}
+    if "agreement" in sections:
+        out["agreement"] = asyncio.run(agreement(args.seed))
     if args.plot_dir:
         from lab.plots import plot_runs
 
         args.plot_dir.mkdir(parents=True, exist_ok=True)
-        plot_runs(mem["_runs"], args.plot_dir / "lab_diurnal.png",
-                  "modelpool lab: 24 h diurnal day: hybrid (calibrated, then seed 000 defaults) and always-on vLLM")
-        plot_runs(burst["_runs"], args.plot_dir / "lab_bursty.png", "modelpool lab: bursty trace, five policies")
-    mem.pop("_runs")
-    burst.pop("_runs")
-    runs = burst["runs"]
-    print(json.dumps({"speed": fast, "calibrated": {"settings": best, "heteroscale_target_tps": target_tps,
-                                                    "derivation": derivation},
-                      "memory": mem, "bursty": burst, "agreement": agree}, indent=1))
-    print(json.dumps({
-        "lab_seconds_24h_100": fast["median_s"],
-        "lab_seconds_24h_100_spread": [min(fast["seconds"]), max(fast["seconds"])],
-        "gpu_mem_s_ratio_hybrid_vs_always_on": mem["ratio"],
-        "slo_attainment": {p: runs[p]["slo_attainment"] for p in POLICIES},
-        "scale_actions": {p: runs[p]["scale_actions"] for p in POLICIES},
-    }))
+        for runs, filename, title in plots:
+            plot_runs(runs, args.plot_dir / filename, title)
+    print(json.dumps(out, indent=1))
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ from shared.contracts.trace import TraceRequest
 FAST, SLOW = BackendType.LLAMA_CPP, BackendType.VLLM
 H = 0.15
 """rho_down = rho_up - h; the seed suggests h in 0.1-0.2."""
+KAPPA = 0.001
+"""§13.7's cost of a second of start delay (`modelpool calibrate --kappa`)."""
 
 
 @dataclass
@@ -256,6 +258,25 @@ def search(alias: AliasConfig, controller: ControllerConfig, lab: LabSettings, t
         if not improved:
             break
     return best, history
+
+
+@dataclass
+class Calibration:
+    params: dict[str, Any]
+    """The hybrid's parameters the search settled on."""
+    heteroscale_target_tps: float | None
+    derivation: list[str]
+    lab_runs: int
+
+
+def calibrate_on(alias: AliasConfig, controller: ControllerConfig, lab: LabSettings, trace: list[TraceRequest],
+                 rounds: int = 8, kappa: float = KAPPA) -> Calibration:
+    """The whole pipeline on one trace: the trace run under the hybrid's defaults and recorded, the estimates,
+    §13.7's initial values, then the search on the same trace."""
+    recorded = run(alias.model_copy(update={"autoscaling_policy": HybridPolicyConfig()}), controller, lab, trace)
+    init = initial_parameters(estimate(recorded.record), lab.objective.beta, lab.objective.gamma, kappa)
+    best, history = search(alias, controller, lab, trace, init.params, rounds)
+    return Calibration(best, init.heteroscale_target_tps, init.derivation, 1 + len(history))
 
 
 def fragment(params: dict[str, Any], target_tps: float | None, derivation: list[str], source: str) -> str:

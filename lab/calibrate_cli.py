@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from lab import workloads
-from lab.calibrate import estimate, fragment, initial_parameters, search
+from lab.calibrate import KAPPA, estimate, fragment, initial_parameters, search
 from lab.config import LabSettings, apply_sets, parse_sets
 from lab.record import RunRecord, record_from_log
 from shared.contracts.config import AliasConfig, ConfigError, PoolConfig
@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="lab.X (objective weights: lab.objective.gamma=0.02), workload.X")
-    parser.add_argument("--kappa", type=float, default=0.001, help="cost of a second of start delay in §13.7 (default 0.001)")
+    parser.add_argument("--kappa", type=float, default=KAPPA,
+                        help=f"cost of a second of start delay in §13.7 (default {KAPPA:g})")
     parser.add_argument("--rounds", type=int, default=8,
                         help="at most this many passes of the search; it stops when a pass finds nothing better (0: no search)")
     parser.add_argument("--out", type=Path, help="write the pool-file fragment here")

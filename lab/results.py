@@ -43,6 +43,15 @@ def run(alias: AliasConfig, controller: ControllerConfig, lab: LabSettings, trac
     return result
 
 
+BRIEF = ("requests", "lost", "slo_attainment", "ttft_s", "e2e_s", "scale_actions", "routing_switches", "gpu_mem_s",
+         "objective", "wall_s")
+
+
+def brief(result: RunResult) -> dict[str, Any]:
+    """The summary's measures a comparison's table shows."""
+    return {k: result.summary[k] for k in BRIEF}
+
+
 def _percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p95": None, "p99": None}

@@ -21,6 +21,7 @@ from shared.contracts.mooncake import MooncakeRequest, conversations, is_mooncak
 from shared.contracts.trace import TraceRequest, read_trace
 from simulation.mooncake import SHAPES as MOONCAKE_SHAPES
 from simulation.mooncake import generate_mooncake, mooncake_to_agentic
+from simulation.mooncake_rate import CONVERSATION_RATE, RateCurve
 from simulation.agentic import AgenticShape, BurstyShape, generate_agentic, generate_bursty
 
 
@@ -56,7 +57,8 @@ class Sustained(Lengths):
 class Diurnal(Lengths):
     """A day's Poisson traffic: trough at `trough_at_s` (4 am), peak 12 h later, a raised cosine in between
     to the power `peakiness` (1: a plain cosine, mean half the peak; 3: busy hours, quiet nights, mean 0.31
-    of the peak). `compress` shrinks the day (24 h in 24 h / compress) at the same rates: the same shape in
+    of the peak). `bursts` windows of `burst_s` at seeded random times each add `burst_peak_share` x the
+    peak rate to the rate wherever they land, a quiet hour as a busy one (none by default). `compress` shrinks the day (24 h in 24 h / compress) at the same rates: the same shape in
 fewer requests, for quick runs (a policy's delays and cooldowns do not shrink with it)."""
 
     peak_rate: float = 8.0
@@ -64,6 +66,20 @@ fewer requests, for quick runs (a policy's delays and cooldowns do not shrink wi
     duration_s: float = 86_400.0
     trough_at_s: float = 4 * 3600.0
     peakiness: float = 1.0
+    compress: float = 1.0
+    bursts: int = 0
+    burst_s: float = 900.0
+    burst_peak_share: float = 0.5
+
+
+@dataclass(frozen=True)
+class MooncakeDay(Lengths):
+    """A day's Poisson traffic at the Mooncake conversation trace's arrival rate: its hour's rate curve
+    (`simulation/mooncake_rate.py`, read off the released file) stretched over `duration_s` / `compress` and scaled
+    so that its highest point is `peak_rate`; the requests' lengths are this workload's, not the trace's."""
+
+    peak_rate: float = 12.0
+    duration_s: float = 86_400.0
     compress: float = 1.0
 
 
@@ -78,7 +94,7 @@ class Agentic(AgenticShape):
 
 
 SHAPES: dict[str, type] = {"cold-wave": ColdWave, "sustained": Sustained, "diurnal": Diurnal, "bursty": Bursty,
-                           "agentic": Agentic}
+                           "agentic": Agentic, "mooncake-day": MooncakeDay}
 
 
 def shape_named(name: str, overrides: dict[str, Any] | None = None) -> Any:
@@ -107,22 +123,53 @@ def generate(name: str, seed: int, overrides: dict[str, Any] | None = None) -> l
         return generate_bursty(shape, seed)
     if isinstance(shape, Agentic):
         return generate_agentic(shape, seed)
+    if isinstance(shape, MooncakeDay):
+        return _curve_day(shape, CONVERSATION_RATE, seed)
     if isinstance(shape, ColdWave):
         starts = [shape.idle_s + k * (shape.idle_s + shape.wave_s) for k in range(shape.waves)]
         arrivals = np.sort(np.concatenate([s + rng.uniform(0.0, shape.wave_s, shape.wave_requests) for s in starts]))
     elif isinstance(shape, Sustained):
         arrivals = _poisson(rng, lambda t: np.full_like(t, shape.rate), shape.duration_s, shape.rate)
     else:
-        arrivals = _poisson(rng, lambda t: diurnal_rate(shape, t), shape.duration_s / shape.compress, shape.peak_rate)
+        span_s = shape.duration_s / shape.compress
+        # Drawn only when asked for, so a day without bursts is the same day it always was for its seed.
+        bursts = np.sort(rng.uniform(0.0, span_s, shape.bursts)) if shape.bursts else np.empty(0)
+        envelope = shape.peak_rate * (1 + (shape.burst_peak_share if shape.bursts else 0.0))
+        arrivals = _poisson(rng, lambda t: diurnal_rate(shape, t, bursts), span_s, envelope)
     return _requests(arrivals, rng, shape)
 
 
-def diurnal_rate(shape: Diurnal, t: np.ndarray) -> np.ndarray:
-    """Requests per second at `t` (seconds of the compressed day)."""
+def diurnal_rate(shape: Diurnal, t: np.ndarray, bursts: np.ndarray = np.empty(0)) -> np.ndarray:
+    """Requests per second at `t` (seconds of the compressed day), `bursts` the sorted starts of its bursts."""
     day = 86_400.0 / shape.compress
     phase = 2 * math.pi * (t - shape.trough_at_s / shape.compress) / day
     rise = ((1 - np.cos(phase)) / 2) ** shape.peakiness
-    return shape.trough_rate + (shape.peak_rate - shape.trough_rate) * rise
+    rate = shape.trough_rate + (shape.peak_rate - shape.trough_rate) * rise
+    if not len(bursts):
+        return rate
+    latest = np.searchsorted(bursts, t, side="right") - 1  # the last burst started at or before t
+    inside = (latest >= 0) & (t < bursts[np.maximum(latest, 0)] + shape.burst_s / shape.compress)
+    return np.where(inside, rate + shape.burst_peak_share * shape.peak_rate, rate)
+
+
+def curve_day(curve: RateCurve, seed: int, overrides: dict[str, Any] | None = None) -> list[TraceRequest]:
+    """The `mooncake-day` workload at another hour's rate curve (`rate_from_timestamps` of a trace file)."""
+    return _curve_day(shape_named("mooncake-day", overrides), curve, seed)
+
+
+def curve_rate(curve: RateCurve, shape: MooncakeDay, t: np.ndarray) -> np.ndarray:
+    """Requests per second at `t` (seconds of the compressed day): the curve at the same fraction of its span,
+    linear between its points, flat beyond its first and last."""
+    minutes, rates = np.array(curve.points).T
+    at = t / (shape.duration_s / shape.compress) * curve.span_min
+    return shape.peak_rate * np.interp(at, minutes, rates) / rates.max()
+
+
+def _curve_day(shape: MooncakeDay, curve: RateCurve, seed: int) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    arrivals = _poisson(rng, lambda t: curve_rate(curve, shape, t), shape.duration_s / shape.compress,
+                        shape.peak_rate)
+    return _requests(arrivals, rng, shape)
 
 
 def _poisson(rng: np.random.Generator, rate: Any, duration_s: float, peak: float) -> np.ndarray:
