@@ -9,9 +9,9 @@ Fresh engines each time, so no router inherits another's caches.
 
 Routers: round-robin, least-load, kv-aware, sticky, affinity (EAR without
 migration), ear-recompute (a moved session recomputes its context, as on vLLM)
-and ear (its KV moved along, as llama.cpp and the simulator can). Times are in the trace's seconds (wall seconds times the
-speedup); `t_cool_s` is given in trace seconds and divided by the speedup for
-the gateway.
+and ear (its KV moved along, as llama.cpp and the simulator can). Times are in
+the trace's seconds (wall seconds times the speedup); `t_cool_s` is given in
+trace seconds and divided by the speedup for the gateway.
 
     .venv/bin/python bench/ear.py --repeats 3 --plot docs/img/ear.png
 

@@ -58,8 +58,9 @@ class Diurnal(Lengths):
     """A day's Poisson traffic: trough at `trough_at_s` (4 am), peak 12 h later, a raised cosine in between
     to the power `peakiness` (1: a plain cosine, mean half the peak; 3: busy hours, quiet nights, mean 0.31
     of the peak). `bursts` windows of `burst_s` at seeded random times each add `burst_peak_share` x the
-    peak rate to the rate wherever they land, a quiet hour as a busy one (none by default). `compress` shrinks the day (24 h in 24 h / compress) at the same rates: the same shape in
-fewer requests, for quick runs (a policy's delays and cooldowns do not shrink with it)."""
+    peak rate to the rate wherever they land, a quiet hour as a busy one (none by default). `compress` shrinks
+    the day (24 h in 24 h / compress) at the same rates: the same shape in fewer requests, for quick runs (a
+    policy's delays and cooldowns do not shrink with it)."""
 
     peak_rate: float = 8.0
     trough_rate: float = 0.4

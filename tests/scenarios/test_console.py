@@ -194,8 +194,8 @@ def drive(admin: str, shots: Path, answered: list[str]) -> dict[str, Any]:
         seen["shots"].append(console.shoot("decision", height=1500))
 
         # Why one request went where it went, as `modelpool explain` says it, from the access log.
-        seen["explained_id"] = answered[-1]
-        console.find("#explain-id")[0].send_keys(answered[-1], Keys.ENTER)
+        seen["explained_id"] = answered[-1]  # read once: the load goes on answering requests meanwhile
+        console.find("#explain-id")[0].send_keys(seen["explained_id"], Keys.ENTER)
         console.until("the request explained", lambda: "served by" in console.text("#explained"))
         seen["explained"] = console.text("#explained")
         seen["shots"].append(console.shoot("request"))

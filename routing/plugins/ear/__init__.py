@@ -21,6 +21,7 @@ Mooncake conversation's are 12,000 tokens) a host is over `T_hot` with one
 prompt in prefill, and a move that recomputes can cost more than it saves.
 Where the KV moves along nothing is recomputed, and the rule is the seed's:
 strictly less pending prefill.
+
 With `migrate` off this is the "affinity" router: a session never leaves a host
 that runs.
 """
