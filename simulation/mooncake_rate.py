@@ -14,7 +14,7 @@ timestamp and how many complete lines there are.
 per character), integrated over the file by the trapezoid rule, give the
 requests before each window's first line, so the requests between two windows
 against the time between their first lines; one point per interval, at its
-middle minute (`CONVERSATION_RATE`, 40 points from 3.1 to 4.2 requests/s).
+middle minute (`CONVERSATION_RATE`, 40 points from 2.6 to 4.2 requests/s).
 
 Error: a window's mean line length rests on its 50-75 lines, whose lengths
 vary with the prompt's (the windows' mean characters per line spread 197-324,
@@ -120,12 +120,5 @@ def rate_from_timestamps(timestamps_ms: Sequence[float], intervals: int = 40) ->
                            for k, c in enumerate(counts)))
 
 
-CONVERSATION_RATE = RateCurve(58.95, (
-    (0.9, 3.12), (2.6, 3.47), (4.15, 3.38), (5.75, 2.58), (7.38, 3.13), (9.03, 2.74), (10.62, 3.35),
-    (12.15, 2.95), (13.75, 2.89), (15.32, 3.19), (16.88, 2.99), (18.45, 3.1), (20, 3.1), (21.45, 3.18),
-    (22.88, 3.45), (24.4, 3.43), (25.95, 3.6), (27.48, 3.16), (28.98, 3.65), (30.42, 4.02), (31.95, 3.67),
-    (33.5, 4.06), (34.9, 4.21), (36.22, 3.36), (37.6, 3.46), (38.97, 4.09), (40.37, 3.96), (41.77, 3.99),
-    (43.17, 3.77), (44.62, 3.55), (46.07, 2.96), (47.42, 3.91), (48.7, 3.77), (49.9, 4.04), (51.07, 3.83),
-    (52.38, 3.63), (53.75, 3.33), (55.1, 3.55), (56.42, 3.74), (57.92, 3.44),
-))
-"""`rate_from_samples(CONVERSATION_SAMPLES, SPAN_MS)`, written out (a test holds them equal)."""
+CONVERSATION_RATE = rate_from_samples(CONVERSATION_SAMPLES, SPAN_MS)
+"""The released conversation trace's rate over its hour, as its samples give it."""
