@@ -43,7 +43,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from services.cluster.localpool import LocalPool  # noqa: E402
 from services.ops.load import quantile  # noqa: E402
-from services.ops.trace_replay import Replay, ReplayedRequest  # noqa: E402
+from services.ops.trace_replay import Replay, ReplayedRequest, replay_client  # noqa: E402
 from shared.contracts.events import event_registry  # noqa: E402
 from shared.contracts.trace import TraceRequest  # noqa: E402
 from shared.eventlog.db import create_engine, migrate_async  # noqa: E402
@@ -160,7 +159,7 @@ async def run_once(mode: str, args: argparse.Namespace, trace: list[TraceRequest
             if n % max(1, len(trace) // 5) == 0:
                 say(f"{mode}: {n}/{len(trace)} requests answered")
 
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=httpx.Limits(max_connections=None)) as client:
+        async with replay_client(300.0) as client:
             replay = Replay(pool.gateway.removesuffix("/v1"), ALIAS, client, progress=progress)
             await replay.run(trace)
         drains, handoffs = await drained_sessions(settings, lambda wall: wall - wall0 + mono0)

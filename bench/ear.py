@@ -34,12 +34,12 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.ops.trace_replay import Replay, ReplayedRequest, summarise  # noqa: E402
+from services.ops.trace_replay import Replay, ReplayedRequest, replay_client, summarise  # noqa: E402
 from shared.contracts.config import AliasConfig  # noqa: E402
 from shared.contracts.events import event_registry  # noqa: E402
 from shared.contracts.trace import TraceRequest  # noqa: E402
@@ -79,7 +79,7 @@ async def migrations_of(settings: Settings, t_cool_wall_s: float) -> dict:
             "kv_move_s_max": max((m["kv_move_s"] for m in carried), default=None)}
 
 
-Replayer = Callable[[str, httpx.AsyncClient, Callable[[int], None]], Awaitable[tuple[dict, list[ReplayedRequest]]]]
+Replayer = Callable[[str, aiohttp.ClientSession, Callable[[int], None]], Awaitable[tuple[dict, list[ReplayedRequest]]]]
 """Replays a trace through the gateway at the URL: its summary and every request as it went."""
 
 
@@ -125,13 +125,11 @@ async def run_router(router: str, args: argparse.Namespace, replay: Replayer, re
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         await wait_ready(f"{gateway_url}/health", gateway)
 
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-
         def progress(n: int) -> None:
             if n % max(1, requests // 10) == 0:
                 say(f"{router}: {n}/{requests} requests answered")
 
-        async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
+        async with replay_client(args.timeout_s) as client:
             summary, served = await replay(gateway_url, client, progress)
         summary.update(await migrations_of(settings, args.t_cool_s / args.speedup))
         if move_kv and summary["migrations"] and not summary["kv_moves"]:
@@ -145,7 +143,7 @@ async def run_router(router: str, args: argparse.Namespace, replay: Replayer, re
 
 
 def agentic_replay(trace: list[TraceRequest], speedup: float) -> Replayer:
-    async def replay(url: str, client: httpx.AsyncClient, progress: Callable[[int], None]):
+    async def replay(url: str, client: aiohttp.ClientSession, progress: Callable[[int], None]):
         run = Replay(url, ALIAS, client, speedup=speedup, progress=progress)
         wall = await run.run(trace)
         return summarise(run.served, trace, wall, speedup), run.served
@@ -156,6 +154,13 @@ def plot(results: dict[str, dict], path: Path) -> None:
     from services.ops.trace_plots import plot_runs
 
     plot_runs({router: (r, r["served"]) for router, r in results.items()}, path)
+
+
+def in_turn(routers: list[str], repeat: int) -> list[str]:
+    """The routers in the order repeat `repeat` runs them: rotated by one each repeat, so none always runs first or
+    last (a drift in the machine over a repeat lands on every router alike)."""
+    shift = repeat % len(routers) if routers else 0
+    return routers[shift:] + routers[:shift]
 
 
 def pool_arguments(parser: argparse.ArgumentParser, routers: tuple[str, ...] = ROUTERS, engines: int = 8,
@@ -204,7 +209,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {router: [] for router in args.routers.split(",")}
     with tempfile.TemporaryDirectory(prefix="bench-ear-") as tmp:
         for repeat in range(args.repeats):
-            for router in runs:
+            for router in in_turn(list(runs), repeat):
                 say(f"repeat {repeat + 1}, {router}: {args.engines} engines, gateway, replay at {args.speedup:g}x")
                 r = asyncio.run(run_router(router, args, agentic_replay(trace, args.speedup), len(trace), Path(tmp)))
                 runs[router].append(r)

@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -51,7 +51,7 @@ from services.ops.mooncake_replay import MooncakeReplay, select, summarise_moonc
 from shared.contracts.mooncake import BLOCK_TOKENS, MooncakeRequest, conversations, read_mooncake, reuse_bound  # noqa: E402
 from simulation.mooncake import SHAPES, generate_mooncake, statistics as trace_statistics  # noqa: E402
 
-from ear import ALIAS, ear_defaults, pool_arguments, run_router, say, table_row  # noqa: E402
+from ear import ALIAS, ear_defaults, in_turn, pool_arguments, run_router, say, table_row  # noqa: E402
 
 ROUTERS = ("round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear-recompute", "ear")
 
@@ -81,7 +81,7 @@ def capacity_bound(requests: Sequence[MooncakeRequest], capacity_tokens: int, bl
 
 
 def mooncake_replay(requests: list[MooncakeRequest], sessions: list[str], args: argparse.Namespace):
-    async def replay(url: str, client: httpx.AsyncClient, progress: Callable[[int], None]):
+    async def replay(url: str, client: aiohttp.ClientSession, progress: Callable[[int], None]):
         run = MooncakeReplay(url, ALIAS, client, speedup=args.speedup, open_loop=True, progress=progress)
         wall = await run.run_mooncake(requests, sessions, BLOCK_TOKENS, args.max_tokens)
         return summarise_mooncake(run.served, requests, sessions, wall, args.speedup), run.served
@@ -116,7 +116,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {router: [] for router in args.routers.split(",")}
     with tempfile.TemporaryDirectory(prefix="bench-ear-mooncake-") as tmp:
         for repeat in range(args.repeats):
-            for router in runs:
+            for router in in_turn(list(runs), repeat):
                 say(f"repeat {repeat + 1}, {router}: {args.engines} engines, gateway, replay at {args.speedup:g}x")
                 r = asyncio.run(run_router(router, args, mooncake_replay(requests, sessions, args), len(requests),
                                            Path(tmp), capacity=args.capacity))

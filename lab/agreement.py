@@ -23,7 +23,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import yaml
 from scipy.stats import ks_2samp
@@ -31,7 +30,7 @@ from scipy.stats import ks_2samp
 from lab.config import LabSettings
 from lab.results import run
 from services.cluster.localpool import LocalPool
-from services.ops.trace_replay import Replay
+from services.ops.trace_replay import Replay, replay_client
 from shared.configuration import pool_config
 from shared.contracts.config import PoolConfig
 from shared.contracts.events import InstanceStateChanged, PlacementRequested, RoutingStateChanged
@@ -52,7 +51,7 @@ async def pool_run(database_url: str, nats_url: str, namespace: str, pool_yaml: 
                      env={"MODELPOOL_METRIC_WINDOW_S": str(window_s), "MODELPOOL_CONTROL_TICK_S": str(tick_s)})
     pool.start()
     try:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=2000)) as client:
+        async with replay_client(600.0) as client:
             replay = Replay(pool.gateway.removesuffix("/v1"), name, client, open_loop=True)
             began_at = datetime.now(timezone.utc)
             await replay.run(trace)

@@ -33,3 +33,10 @@ def test_a_small_cache_evicts_the_least_recently_used_and_reuses_only_leading_bl
     assert bench.capacity_bound([*trace, req(3, 4, 5, 6)], 3 * 512)[0] == 0
     # A request that touches its blocks keeps them: [1,2,3], [1,2,3] reuses all three.
     assert bench.capacity_bound([req(0, 1, 2, 3), req(1, 1, 2, 3)], 3 * 512) == (3 * 512, 6 * 512)
+
+
+def test_every_router_takes_every_place_in_the_order_over_as_many_repeats():
+    routers = ["a", "b", "c"]
+    orders = [bench.in_turn(routers, repeat) for repeat in range(3)]
+    assert orders[0] == routers and all(sorted(order) == routers for order in orders)
+    assert {order[-1] for order in orders} == set(routers)  # none always last

@@ -35,11 +35,10 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-import httpx
 import orjson
 
 from services.ops.mooncake_replay import MooncakeReplay, select, summarise_mooncake
-from services.ops.trace_replay import Replay, ReplayedRequest, summarise
+from services.ops.trace_replay import Replay, ReplayedRequest, replay_client, summarise
 from shared.contracts.config import ConfigError
 from shared.contracts.mooncake import BLOCK_TOKENS, conversations, is_mooncake, read_mooncake, write_mooncake
 from shared.contracts.trace import read_trace, write_trace
@@ -95,8 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def replay(args: argparse.Namespace) -> tuple[dict, list[ReplayedRequest]]:
     mooncake = args.format == "mooncake" or (args.format == "auto" and is_mooncake(args.trace))
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=args.timeout_s, headers=headers, limits=limits) as client:
+    async with replay_client(args.timeout_s, headers) as client:
         if mooncake:
             whole = read_mooncake(args.trace)
             sessions_of = dict(zip(map(id, whole), conversations(whole)))  # inferred over the whole trace

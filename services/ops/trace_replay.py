@@ -17,6 +17,11 @@ reported is multiplied by it, so the summary is in the trace's own seconds.
 What is measured per request: time to the first content, time per output token
 after it, end to end, the prompt and cached tokens the engine reports, and the
 instance that served it (the gateway's `x-modelpool-instance`).
+
+The client is aiohttp's (`replay_client`): an open-loop replay keeps hundreds
+of streams open at once, and a load generator whose own cost grows with them
+(httpx's connection pool scans every connection on each request) would time
+itself instead of the endpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import mean, median
 
-import httpx
+import aiohttp
 import orjson
 
 from services.ops.load import quantile
@@ -69,11 +74,17 @@ class ReplayedRequest:
     instance: str | None = None
 
 
+def replay_client(timeout_s: float, headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
+    """A client for `Replay`: no bound on connections (open loop sends whatever is due), `timeout_s` per request."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers,
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
 @dataclass
 class Replay:
     base_url: str
     model: str
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     clock: Callable[[], float] = time.monotonic
     speedup: float = 1.0
     open_loop: bool = False
@@ -127,15 +138,16 @@ class Replay:
                 "stream": True, "stream_options": {"include_usage": True}}
         parts: list[str] = []
         try:
-            async with self.client.stream("POST", f"{self.base_url}/v1/chat/completions", json=body,
-                                          headers={"x-session-id": r.session_id}) as response:
-                record.status = response.status_code
+            async with self.client.post(f"{self.base_url}/v1/chat/completions", data=orjson.dumps(body),
+                                        headers={"x-session-id": r.session_id,
+                                                 "content-type": "application/json"}) as response:
+                record.status = response.status
                 record.instance = response.headers.get("x-modelpool-instance")
-                if response.status_code != 200:
-                    record.error = (await response.aread()).decode(errors="replace")[:300]
+                if response.status != 200:
+                    record.error = (await response.read()).decode(errors="replace")[:300]
                     return None
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
+                async for line in response.content:
+                    if not line.startswith(b"data: {"):
                         continue
                     chunk = orjson.loads(line[6:])
                     if "error" in chunk:
@@ -151,7 +163,7 @@ class Replay:
                         record.prompt_tokens = usage.get("prompt_tokens") or 0
                         record.completion_tokens = usage.get("completion_tokens") or 0
                         record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             record.error = repr(exc)
             return None
         record.done = self.clock()

@@ -100,7 +100,7 @@ RouterPlugin = Literal["round-robin", "least-load", "kv-aware", "sticky", "affin
 RouterFilter = Literal["has-room", "session-hash", "session-host", "session-host-or-move"]
 """Filters by name (`routing/registry.py`): the first leaves instances below their capacity (always applied, last
 when not listed); the others keep a session's turns together, by hash, on its host, or on its host unless hot."""
-RouterScorer = Literal["least-pending-prefill", "least-inflight", "prefix-hit", "next-in-turn"]
+RouterScorer = Literal["least-pending-prefill", "least-inflight", "least-prefill-wait", "prefix-hit", "next-in-turn"]
 SESSION_FILTERS = ("session-hash", "session-host", "session-host-or-move")
 BINDING_FILTERS = ("session-host", "session-host-or-move")
 """The session filters that bind a session to its host in the log (hashing needs no binding)."""

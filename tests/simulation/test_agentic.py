@@ -7,12 +7,11 @@ import json
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from helpers import start_engine, wait_healthy
 from services.ops.trace import save_run
-from services.ops.trace_replay import Replay, summarise
+from services.ops.trace_replay import Replay, replay_client, summarise
 from shared.contracts.config import ConfigError
 from shared.contracts.trace import TraceRequest, read_trace, write_trace
 from simulation.agentic import (
@@ -99,7 +98,7 @@ def test_a_replay_is_closed_loop_and_measures_what_it_says(tmp_path):
         wait_healthy([engine])
 
         async def replay():
-            async with httpx.AsyncClient(timeout=60) as client:
+            async with replay_client(60) as client:
                 run = Replay(engine.url, "agent", client)
                 return run, await run.run(requests)
         run, wall = asyncio.run(replay())
@@ -144,7 +143,7 @@ def test_open_loop_sends_on_the_traces_clock_and_compare_puts_runs_side_by_side(
         wait_healthy([engine])
 
         async def replay(open_loop: bool) -> Replay:
-            async with httpx.AsyncClient(timeout=60) as client:
+            async with replay_client(60) as client:
                 run = Replay(engine.url, "agent", client, open_loop=open_loop)
                 run.wall = await run.run(requests)  # type: ignore[attr-defined]
                 return run

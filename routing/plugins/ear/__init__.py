@@ -1,6 +1,10 @@
 """EAR, the Elastic Affinity Router (seed 004 §4): affinity by default, a hot host's session moved where it waits less.
 
-- A new session goes to the instance with the fewest pending prefill tokens.
+- A new session goes to the instance where its first token waits for the fewest
+  prefill tokens: those pending there and its own prompt less what the instance
+  holds of it (the seed's fewest pending prefill tokens, where no instance
+  holds more of the prompt than another; where one does, e.g. a shared tool
+  description, it counts, as it does for a move).
 - Later turns go to the session's host, where its KV is.
 - When the host's pending prefill tokens exceed `T_hot` (or it is full), and the
   session has not moved within `T_cool`, the session may move: to an instance
@@ -30,12 +34,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from routing.scheduler import Endpoint, RoutingRequest
+from routing.scheduler import Endpoint, RoutingRequest, fewest
 
 
 def prefill_wait(endpoint: Endpoint, prompt_tokens: int, held: int) -> int:
     """Prefill tokens the request waits for on `endpoint`: those queued there, then its own less the `held` ones."""
     return endpoint.pending_prefill + max(0, prompt_tokens - held)
+
+
+def least_prefill_wait(request: RoutingRequest, endpoints: list[Endpoint]) -> list[float]:
+    """Fewest prefill tokens ahead of the request's first token: queued, and its own less those cached."""
+    return fewest([prefill_wait(e, request.prompt_tokens, e.cached_tokens) for e in endpoints])
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,15 @@ def test_a_new_session_goes_to_the_fewest_pending_prefill_tokens(ear):
     assert (choice.instance_id, choice.moved_from) == ("i1", None)
 
 
+def test_a_new_session_counts_what_each_instance_holds_of_its_prompt(ear):
+    # i0 holds 2,500 of the 4,000-token prompt (a shared tool description): 1,000 + 1,500 to compute there against
+    # 500 + 4,000 on i1, the less loaded. Holding less than the load difference does not tip it.
+    assert ear.choose(request(prompt_tokens=4000), endpoints(1000, 500, cached_tokens=[2500, 0])).instance_id == "i0"
+    assert ear.choose(request(prompt_tokens=4000), endpoints(1000, 500, cached_tokens=[400, 0])).instance_id == "i1"
+    least_load = make_router("least-load")  # the baseline reads load alone
+    assert least_load.choose(request(prompt_tokens=4000), endpoints(1000, 500, cached_tokens=[2500, 0])).instance_id == "i1"
+
+
 def test_later_turns_stay_on_the_host_while_it_is_not_hot_even_when_others_are_idler(ear):
     choice = ear.choose(request(host="i2"), endpoints(0, 0, T_HOT))  # at T_hot, not over it
     assert (choice.instance_id, choice.moved_from, choice.reason) == ("i2", None, "bound")
@@ -86,3 +95,4 @@ def test_affinity_is_ear_without_moves():
     assert affinity.choose(request(host="i0"), endpoints(T_HOT * 10, 0)).instance_id == "i0"
     assert affinity.choose(request(host="i0"), endpoints(0, 0, full=[True, False])) is None
     assert affinity.choose(request(), endpoints(T_HOT * 10, 0)).instance_id == "i1"
+    assert affinity.choose(request(prompt_tokens=4000), endpoints(1000, 500, cached_tokens=[2500, 0])).instance_id == "i0"
