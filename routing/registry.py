@@ -57,8 +57,7 @@ def preset(config: RouterConfig) -> tuple[tuple[RouterFilter, ...], tuple[Scorer
             return ("has-room",), least_load
         case "kv-aware":
             return ("has-room",), (ScorerConfig(name="prefix-hit", weight=config.kv_weight),
-                                   ScorerConfig(name="least-pending-prefill", weight=config.load_weight),
-                                   ScorerConfig(name="least-inflight", weight=INFLIGHT_WEIGHT))
+                                   ScorerConfig(name="least-pending-prefill", weight=config.load_weight), tie_break)
         case "sticky":
             return ("session-hash", "has-room"), ()
         case "affinity":
