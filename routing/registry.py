@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from routing.plugins.ear import SessionHost, least_prefill_wait
+from routing.plugins.ear import SessionHost
 from routing.plugins.kv_aware import prefix_hit
 from routing.plugins.least_load import INFLIGHT_WEIGHT, least_inflight, least_pending_prefill
 from routing.plugins.round_robin import NextInTurn
@@ -29,15 +29,12 @@ FILTERS: dict[RouterFilter, Callable[[RouterConfig], Filter]] = {
 SCORERS: dict[RouterScorer, Callable[[], Scorer]] = {
     "least-pending-prefill": lambda: least_pending_prefill,
     "least-inflight": lambda: least_inflight,
-    "least-prefill-wait": lambda: least_prefill_wait,
     "prefix-hit": lambda: prefix_hit,
     "next-in-turn": NextInTurn,  # keeps whose turn it is: one per router
 }
 DESCRIPTIONS: dict[RouterScorer, Callable[[Endpoint], str]] = {
     "least-pending-prefill": lambda e: f"{tokens_text(e.pending_prefill)} of prompt pending",
     "least-inflight": lambda e: f"{e.inflight} of {e.capacity} slots busy" if e.capacity else f"{e.inflight} in flight",
-    "least-prefill-wait": lambda e: (f"{tokens_text(e.pending_prefill)} of prompt pending, "
-                                     f"{tokens_text(e.cached_tokens)} cached"),
     "prefix-hit": lambda e: f"{tokens_text(e.cached_tokens)} cached",
     "next-in-turn": lambda _: "next in turn",
 }
@@ -48,22 +45,22 @@ def preset(config: RouterConfig) -> tuple[tuple[RouterFilter, ...], tuple[Scorer
     """The filters and weighted scorers `router.plugin` names (docs/routing.md has them as a table)."""
     tie_break = ScorerConfig(name="least-inflight", weight=INFLIGHT_WEIGHT)
     least_load = (ScorerConfig(name="least-pending-prefill"), tie_break)
-    # EAR places a new session by the prefill its first token waits for; affinity, its ablation, alike.
-    least_wait = (ScorerConfig(name="least-prefill-wait"), tie_break)
+    # kv-aware's scorers; EAR places a new session by them too, and affinity, its ablation, alike.
+    prefix_and_load = (ScorerConfig(name="prefix-hit", weight=config.kv_weight),
+                       ScorerConfig(name="least-pending-prefill", weight=config.load_weight), tie_break)
     match config.plugin:
         case "round-robin":
             return ("has-room",), (ScorerConfig(name="next-in-turn"),)
         case "least-load":
             return ("has-room",), least_load
         case "kv-aware":
-            return ("has-room",), (ScorerConfig(name="prefix-hit", weight=config.kv_weight),
-                                   ScorerConfig(name="least-pending-prefill", weight=config.load_weight), tie_break)
+            return ("has-room",), prefix_and_load
         case "sticky":
             return ("session-hash", "has-room"), ()
         case "affinity":
-            return ("session-host", "has-room"), least_wait
+            return ("session-host", "has-room"), prefix_and_load
         case "ear":
-            return ("session-host-or-move", "has-room"), least_wait
+            return ("session-host-or-move", "has-room"), prefix_and_load
     raise ValueError(f"unknown router plugin {config.plugin!r}")
 
 
@@ -81,6 +78,6 @@ def build_scheduler(config: RouterConfig, rng: random.Random) -> Scheduler:
         rng,
         binds_sessions=config.binds_sessions,
         per_session="session-hash" in filters,
-        reads_cache=(any(s.name in ("prefix-hit", "least-prefill-wait") for s in scorers)
+        reads_cache=(any(s.name == "prefix-hit" for s in scorers)
                      or "session-host-or-move" in filters),
     )

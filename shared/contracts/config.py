@@ -100,7 +100,7 @@ RouterPlugin = Literal["round-robin", "least-load", "kv-aware", "sticky", "affin
 RouterFilter = Literal["has-room", "session-hash", "session-host", "session-host-or-move"]
 """Filters by name (`routing/registry.py`): the first leaves instances below their capacity (always applied, last
 when not listed); the others keep a session's turns together, by hash, on its host, or on its host unless hot."""
-RouterScorer = Literal["least-pending-prefill", "least-inflight", "least-prefill-wait", "prefix-hit", "next-in-turn"]
+RouterScorer = Literal["least-pending-prefill", "least-inflight", "prefix-hit", "next-in-turn"]
 SESSION_FILTERS = ("session-hash", "session-host", "session-host-or-move")
 BINDING_FILTERS = ("session-host", "session-host-or-move")
 """The session filters that bind a session to its host in the log (hashing needs no binding)."""
@@ -135,9 +135,9 @@ class RouterConfig(BaseModel):
     t_cool_s: float = Field(default=DEFAULT_T_COOL_S, ge=0)
     """EAR: a session that moved stays where it is for this long."""
     kv_weight: float = Field(default=2.0, ge=0)
-    """kv-aware: the weight of the expected prefix-cache hit."""
+    """kv-aware, and affinity and ear for a new session: the weight of the expected prefix-cache hit."""
     load_weight: float = Field(default=1.0, ge=0)
-    """kv-aware: the weight of the load (pending prefill tokens)."""
+    """kv-aware, and affinity and ear for a new session: the weight of the load (pending prefill tokens)."""
     session_idle_s: float = Field(default=600.0, gt=0)
     """Routers that bind sessions release one idle this long."""
     move_kv: bool = True

@@ -139,7 +139,8 @@ def test_a_gateway_replica_killed_the_other_serves_and_honours_its_sessions(clus
 def test_a_nats_server_killed_nothing_stops_and_it_catches_up(cluster: Cluster) -> None:
     outcome = lose_a_nats_server(cluster)
     assert outcome.facts["served_while_down"] >= 5, "the pool stopped serving while a NATS server was away"
-    assert outcome.load.sent >= 20 and not outcome.load.failed, outcome.load.failed[:5]
+    assert outcome.facts["served_after"] >= 3, "the pool did not serve after the NATS server came back"
+    assert not outcome.load.failed, outcome.load.failed[:5]
 
 
 def test_the_deciding_autoscaler_killed_the_standby_leads_within_seconds(cluster: Cluster) -> None:

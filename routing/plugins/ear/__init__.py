@@ -1,10 +1,12 @@
 """EAR, the Elastic Affinity Router (seed 004 §4): affinity by default, a hot host's session moved where it waits less.
 
-- A new session goes to the instance where its first token waits for the fewest
-  prefill tokens: those pending there and its own prompt less what the instance
-  holds of it (the seed's fewest pending prefill tokens, where no instance
-  holds more of the prompt than another; where one does, e.g. a shared tool
-  description, it counts, as it does for a move).
+- A new session is placed as kv-aware places a request (llm-d's prefix and
+  load scorers, 2:1): the share of its prompt each instance is expected to hold,
+  weighed over the pending prefill tokens. The seed places it by pending prefill
+  alone; where a prompt opens with a prefix many sessions share (a tool
+  description), that spreads the prefix over every instance, each computing it
+  once, and the weighed prefix keeps it on fewer at no cost in TTFT (measured:
+  docs/benchmarks.md, the tool-and-agent slice).
 - Later turns go to the session's host, where its KV is.
 - When the host's pending prefill tokens exceed `T_hot` (or it is full), and the
   session has not moved within `T_cool`, the session may move: to an instance
@@ -34,17 +36,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from routing.scheduler import Endpoint, RoutingRequest, fewest
+from routing.scheduler import Endpoint, RoutingRequest
 
 
 def prefill_wait(endpoint: Endpoint, prompt_tokens: int, held: int) -> int:
     """Prefill tokens the request waits for on `endpoint`: those queued there, then its own less the `held` ones."""
     return endpoint.pending_prefill + max(0, prompt_tokens - held)
-
-
-def least_prefill_wait(request: RoutingRequest, endpoints: list[Endpoint]) -> list[float]:
-    """Fewest prefill tokens ahead of the request's first token: queued, and its own less those cached."""
-    return fewest([prefill_wait(e, request.prompt_tokens, e.cached_tokens) for e in endpoints])
 
 
 @dataclass(frozen=True, slots=True)

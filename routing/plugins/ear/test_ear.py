@@ -16,13 +16,17 @@ def test_a_new_session_goes_to_the_fewest_pending_prefill_tokens(ear):
     assert (choice.instance_id, choice.moved_from) == ("i1", None)
 
 
-def test_a_new_session_counts_what_each_instance_holds_of_its_prompt(ear):
-    # i0 holds 2,500 of the 4,000-token prompt (a shared tool description): 1,000 + 1,500 to compute there against
-    # 500 + 4,000 on i1, the less loaded. Holding less than the load difference does not tip it.
-    assert ear.choose(request(prompt_tokens=4000), endpoints(1000, 500, cached_tokens=[2500, 0])).instance_id == "i0"
-    assert ear.choose(request(prompt_tokens=4000), endpoints(1000, 500, cached_tokens=[400, 0])).instance_id == "i1"
+def test_a_new_session_weighs_what_each_instance_holds_of_its_prompt_over_load(ear):
+    # i0 holds 1,000 of the 4,000-token prompt (a shared tool description): a quarter, weighed 2, against i1's
+    # lower load, weighed 1 over the range from the least to the most loaded.
+    pool = endpoints(1000, 500, 3000, cached_tokens=[1000, 0, 0])
+    assert ear.choose(request(prompt_tokens=4000), pool).instance_id == "i0"  # 0.5 + 0.8 against 1.0
+    # Holding 300 (0.075 of it, weighed 0.15) does not tip it; 500 (0.25) does.
+    for held, chosen in ((300, "i1"), (500, "i0")):
+        pool = endpoints(1000, 500, 3000, cached_tokens=[held, 0, 0])
+        assert ear.choose(request(prompt_tokens=4000), pool).instance_id == chosen, held
     least_load = make_router("least-load")  # the baseline reads load alone
-    assert least_load.choose(request(prompt_tokens=4000), endpoints(1000, 500, cached_tokens=[2500, 0])).instance_id == "i1"
+    assert least_load.choose(request(prompt_tokens=4000), endpoints(1000, 500, cached_tokens=[1000, 0])).instance_id == "i1"
 
 
 def test_later_turns_stay_on_the_host_while_it_is_not_hot_even_when_others_are_idler(ear):
