@@ -5,8 +5,8 @@
   weighed over the pending prefill tokens. The seed places it by pending prefill
   alone; where a prompt opens with a prefix many sessions share (a tool
   description), that spreads the prefix over every instance, each computing it
-  once, and the weighed prefix keeps it on fewer at no cost in TTFT (measured:
-  docs/benchmarks.md, the tool-and-agent slice).
+  once; weighed, the prefix stays on fewer (the trade in APC and TTFT is
+  measured in docs/benchmarks.md, the tool-and-agent slice).
 - Later turns go to the session's host, where its KV is.
 - When the host's pending prefill tokens exceed `T_hot` (or it is full), and the
   session has not moved within `T_cool`, the session may move: to an instance
