@@ -39,9 +39,10 @@ import orjson
 from services.ops.load import quantile
 from shared.contracts.trace import SHARED_PREFIX_TOKENS, TraceRequest
 
-WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima",
-         "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey")
-"""New text: common words, about one token each for a real tokenizer as for the simulator's estimate."""
+WORDS = ("alpha", "bravo", "delta", "echo", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "oscar", "papa",
+         "quebec", "romeo", "sierra", "tango", "victor", "yankee", "zulu")
+"""New text: common words, about one token each for a real tokenizer and exactly one for the simulator's estimate
+(no word longer than the six letters it takes as one token), so a prompt of n words is n tokens there."""
 
 
 def new_text(session_id: str, turn: int, tokens: int) -> str:

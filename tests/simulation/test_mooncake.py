@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import start_engine, wait_healthy
+from services.engines.simulated import synthetic
 from services.ops.mooncake_replay import prompt_of, select
 from shared.contracts.config import ConfigError
 from shared.contracts.mooncake import (
@@ -70,6 +71,13 @@ def test_prompts_share_exactly_what_their_ids_say_and_conversations_are_told_by_
     assert named[-1] == "r32"  # a lone request is a conversation of its own
     assert len(set(named)) == len(trace) - 1  # block 0, in every request, names nothing
     assert select([first, turn, other], 0.004, 0.002) == [turn]
+
+
+def test_a_prompt_is_as_many_tokens_as_the_trace_says_to_the_simulated_engine():
+    # The simulator's estimate is the engine's tokenizer in every simulated replay: a prompt longer than the trace
+    # says would load the engines more than the trace does, and overflow a context the trace fits in.
+    for r in (request(0, [0, 7, 8], 1200), request(1, [3, 4, 5, 6], 2000)):
+        assert len(synthetic.pieces(prompt_of(r))) == r.input_length
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
