@@ -9,7 +9,8 @@ Fresh engines each time, so no router inherits another's caches.
 
 Routers: round-robin, least-load, kv-aware, sticky, affinity (EAR without
 migration), ear-recompute (a moved session recomputes its context, as on vLLM)
-and ear (its KV moved along, as llama.cpp and the simulator can). Times are in
+and ear (its KV moved along, as llama.cpp and the simulator can); a name ending in
+`+pull` (`--routers ear+pull`) is that router with `pull_prefix` on. Times are in
 the trace's seconds (wall seconds times the speedup); `t_cool_s` is given in
 trace seconds and divided by the speedup for the gateway.
 
@@ -86,12 +87,14 @@ Replayer = Callable[[str, aiohttp.ClientSession, Callable[[int], None]], Awaitab
 async def run_router(router: str, args: argparse.Namespace, replay: Replayer, requests: int, work: Path,
                      capacity: int | None = None) -> dict:
     """One router from scratch: fresh engines, the alias recorded with the router, a gateway, the replay. A
-    router named `NAME-recompute` is NAME with `move_kv` off: a moved session recomputes (as on vLLM)."""
+    router named `NAME-recompute` is NAME with `move_kv` off: a moved session recomputes (as on vLLM); one named
+    `NAME+pull` pulls a prompt's cached prefix from the instance holding it (`pull_prefix`)."""
     python = sys.executable
     settings = Settings.load({}, namespace=f"bench_ear_{secrets.token_hex(4)}")
     processes: list[BenchService] = []
     capacity = capacity or args.kv_cache_tokens // args.max_model_len  # what the worker reads from a vLLM engine
-    plugin, move_kv = router.removesuffix("-recompute"), args.kv_moves and not router.endswith("-recompute")
+    named = router.removesuffix("+pull")
+    plugin, move_kv = named.removesuffix("-recompute"), args.kv_moves and not named.endswith("-recompute")
     # The engines' internal ports answer, and the gateway signs its KV moves, only with the cluster secret.
     cluster = {SECRET_ENV: secrets.token_urlsafe(32)}
     try:
@@ -110,7 +113,8 @@ async def run_router(router: str, args: argparse.Namespace, replay: Replayer, re
             await wait_ready(f"{url}/health", process)
         config = AliasConfig.model_validate({
             "alias": ALIAS, "router": {"plugin": plugin, "t_hot_tokens": args.t_hot_tokens,
-                                       "t_cool_s": args.t_cool_s / args.speedup, "move_kv": move_kv},
+                                       "t_cool_s": args.t_cool_s / args.speedup, "move_kv": move_kv,
+                                       "pull_prefix": router.endswith("+pull")},
             "backends": {"vllm": {"model_name": ALIAS, "model_path": "simulated", "gpu_memory_gb": 24,
                                   "engine": "simulator", "max_model_len": args.max_model_len}}})
         await record_running(settings, [(config, engines, capacity)])

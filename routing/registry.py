@@ -79,5 +79,6 @@ def build_scheduler(config: RouterConfig, rng: random.Random) -> Scheduler:
         binds_sessions=config.binds_sessions,
         per_session="session-hash" in filters,
         reads_cache=(any(s.name == "prefix-hit" for s in scorers)
-                     or "session-host-or-move" in filters),
+                     or "session-host-or-move" in filters or config.pull_prefix),
+        pulls_prefix=config.pull_prefix and config.move_kv,
     )

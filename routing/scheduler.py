@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,13 @@ class Choice:
     reason: str = ""
     why: str = ""
     """Why this instance, in one short phrase (`session bound`, `2 of 8 slots busy`)."""
+    prefix_from: str | None = None
+    """The instance to pull the prompt's cached prefix from before the request is sent (`pulls_prefix`)."""
 
+
+MIN_PULL_TOKENS = 512
+"""A held prefix shorter than this (one block of a Mooncake trace) is computed again rather than pulled: the pull's
+two calls cost more than so little prefill."""
 
 Filter = Callable[[RoutingRequest, list[Endpoint]], list[Endpoint]]
 Scorer = Callable[[RoutingRequest, list[Endpoint]], list[float]]
@@ -100,7 +106,8 @@ class Scheduler:
     """Filters, then weighted scorers, then the highest total; `binds_sessions` routers keep a session's host."""
 
     def __init__(self, name: str, filters: Sequence[Filter], scorers: Sequence[Weighted], rng: random.Random, *,
-                 binds_sessions: bool = False, per_session: bool = False, reads_cache: bool = False) -> None:
+                 binds_sessions: bool = False, per_session: bool = False, reads_cache: bool = False,
+                 pulls_prefix: bool = False) -> None:
         self.name = name
         self.filters = tuple(filters)
         self.scorers = tuple(scorers)
@@ -110,10 +117,17 @@ class Scheduler:
         """Where a request may go depends on its session: one that must wait does not make the next wait."""
         self.reads_cache = reads_cache
         """Its filters or scorers read `Endpoint.cached_tokens` (worked out only for routers that do)."""
+        self.pulls_prefix = pulls_prefix
+        """A request placed where less of its prompt is held than on another instance pulls the difference from
+        it, where both move KV; a session's later turns and moves do not (its host holds, or carries, its KV)."""
 
     def choose(self, request: RoutingRequest, endpoints: Sequence[Endpoint]) -> Choice | None:
         """The instance for `request`, or None when no candidate may take it now."""
+        holder = self._prefix_holder(request, endpoints)
         candidates = list(endpoints)
+        if holder is not None:  # every instance that can pull sees the prefix as its own
+            candidates = [replace(e, cached_tokens=max(e.cached_tokens, holder.cached_tokens)) if e.moves_kv else e
+                          for e in candidates]
         for narrow in self.filters:
             candidates = narrow(request, candidates)
             if not candidates:
@@ -133,11 +147,27 @@ class Scheduler:
         if not self.binds_sessions or host is None or host == picked:
             if host == picked and self.binds_sessions:
                 return Choice(picked, reason="bound", why="session bound")
-            return Choice(picked, reason="scored", why=self._why(candidates, scores, best, len(ties)))
+            why = self._why(candidates, scores, best, len(ties))
+            chosen = next(e for e in endpoints if e.instance_id == picked)
+            if (holder is not None and chosen.moves_kv and chosen is not holder
+                    and holder.cached_tokens - chosen.cached_tokens >= MIN_PULL_TOKENS):
+                return Choice(picked, reason="scored", why=f"{why}, {tokens_text(holder.cached_tokens)} pulled",
+                              prefix_from=holder.instance_id)
+            return Choice(picked, reason="scored", why=why)
         if all(e.instance_id != host for e in endpoints):
             return Choice(picked, moved_from=host, reason="host_gone", why="session's host gone, placed anew")
         return Choice(picked, moved_from=host, reason="host_hot",
                       why=f"moved off hot instance with {tokens_text(request.session.context_tokens)} of KV")
+
+    def _prefix_holder(self, request: RoutingRequest, endpoints: Sequence[Endpoint]) -> Endpoint | None:
+        """The instance to pull the request's prompt prefix from: the one holding most of it among those that move
+        KV, for a request not bound to a live host. None when nothing is worth pulling."""
+        if not self.pulls_prefix:
+            return None
+        if self.binds_sessions and any(e.instance_id == request.session.host for e in endpoints):
+            return None
+        holder = max((e for e in endpoints if e.moves_kv), key=lambda e: e.cached_tokens, default=None)
+        return holder if holder is not None and holder.cached_tokens >= MIN_PULL_TOKENS else None
 
     def _why(self, candidates: list[Endpoint], scores: list[list[float]], best: int, tied: int) -> str:
         """The scorer that set the pick apart (the widest weighted lead over the runner-up), and what it saw."""

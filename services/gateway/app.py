@@ -9,8 +9,9 @@ llm-d's request control uses:
    retries included;
 3. scheduling (`routing.py` over `routing/`): the routing state picks the
    backend, the alias's router plugins the instance; admission asks it;
-4. pre-request (`pre_request.py`): the session bound to the instance, or moved
-   there with its KV;
+4. pre-request (`pre_request.py`): the prompt's prefix pulled from another
+   instance where the router says so; the session bound to the instance, or
+   moved there with its KV;
 5. proxy (`proxy.py`): sent, relayed, and sent again elsewhere only while nothing
    of it can have run;
 6. post-response (`post_response.py`): measured (`meter.py`, `/metrics`), slot

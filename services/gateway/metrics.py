@@ -52,6 +52,8 @@ class GatewayMetrics:
         self.session_moves: dict[tuple[str, str], int] = {}
         self.kv_moves: dict[tuple[str, str], int] = {}
         self.kv_move_seconds: dict[tuple[str, str], float] = {}
+        self.prefix_pulls: dict[tuple[str, str], int] = {}
+        self.prefix_pulled_tokens: dict[str, int] = {}
 
     def request(self, alias: str, backend: str, outcome: str, status: int | None) -> None:
         """`status`: the HTTP status the client got (None: it left before any)."""
@@ -94,6 +96,13 @@ class GatewayMetrics:
         key = (alias, "moved" if moved else "recomputed")
         self.kv_moves[key] = self.kv_moves.get(key, 0) + 1
         self.kv_move_seconds[key] = self.kv_move_seconds.get(key, 0.0) + seconds
+
+    def prefix_pull(self, alias: str, tokens: int | None) -> None:
+        """A prompt's prefix pulled from another instance (`tokens` of it), or computed again (None)."""
+        key = (alias, "pulled" if tokens is not None else "recomputed")
+        self.prefix_pulls[key] = self.prefix_pulls.get(key, 0) + 1
+        if tokens is not None:
+            self.prefix_pulled_tokens[alias] = self.prefix_pulled_tokens.get(alias, 0) + tokens
 
     def demand_signalled(self, alias: str) -> None:
         self.demand_signals[alias] = self.demand_signals.get(alias, 0) + 1
@@ -149,6 +158,14 @@ class GatewayMetrics:
                "Time spent moving sessions' KV (export, transfer, import), by outcome.")
         for (alias, outcome), t in sorted(self.kv_move_seconds.items()):
             out.append(f"modelpool:session_kv_move_seconds_total{{{_labels(alias=alias, outcome=outcome)}}} {t:.6f}")
+        family(out, "modelpool:prefix_pulls_total", "counter",
+               "Prompts whose cached prefix was pulled from another instance (pulled) or, the pull failing, computed "
+               "again (recomputed).")
+        for (alias, outcome), n in sorted(self.prefix_pulls.items()):
+            out.append(f"modelpool:prefix_pulls_total{{{_labels(alias=alias, outcome=outcome)}}} {n}")
+        family(out, "modelpool:prefix_pulled_tokens_total", "counter", "Prompt tokens pulled from another instance.")
+        for alias, n in sorted(self.prefix_pulled_tokens.items()):
+            out.append(f"modelpool:prefix_pulled_tokens_total{{{_labels(alias=alias)}}} {n}")
         family(out, "modelpool:num_requests_waiting", "gauge", "Requests waiting in the gateway for a slot right now.")
         for alias in sorted({*meter.aliases, *waiting}):
             out.append(f"modelpool:num_requests_waiting{{{_labels(alias=alias)}}} {waiting.get(alias, 0)}")

@@ -1,6 +1,9 @@
-"""Before a request is sent: its session bound to the instance it goes to, or moved there with its KV.
+"""Before a request is sent: its prompt's prefix pulled from another instance, its session bound to the instance
+it goes to, or moved there with its KV.
 
-Only for routers that bind sessions (affinity, EAR). A new session is
+A router with `pull_prefix` may name an instance holding more of the prompt than the one chosen: its cached
+prefix is exported there and imported here first (`kv_moves.py`), or computed here when that fails.
+Binding is only for routers that bind sessions (affinity, EAR). A new session is
 bound to the slot's instance, unless its key has bound its `sessions_per_minute`
 already (then it is served unbound, and its next request placed anew: a flood
 of new session ids cannot grow the log without bound); a session the router moved (`Slot.moved_from`)
@@ -40,6 +43,8 @@ class PreRequest:
     async def prepare(self, ctx: RequestContext) -> None:
         slot = ctx.slot
         assert slot is not None
+        if slot.prefix_from is not None:
+            await self._pull_prefix(ctx, slot)
         if not slot.binds:
             return
         session_id = ctx.ask.prompt.session_id
@@ -55,6 +60,21 @@ class PreRequest:
                 self.sessions.bind(session_id, ctx.alias, slot.instance_id)
             else:
                 self.metrics.session_unbound(ctx.alias)
+
+    async def _pull_prefix(self, ctx: RequestContext, slot: Slot) -> None:
+        """The prompt's cached prefix exported by the instance holding most of it and imported here; on failure
+        the instance computes it (logged, counted)."""
+        assert slot.prefix_from is not None
+        held = slot.ask.tokens - slot.pending  # what the instance was expected to hold itself
+        move = await self.mover.move(self.view[INSTANCES].get(slot.prefix_from), slot.instance,
+                                     ctx.ask.prompt.session_id, ctx.path, ctx.payload,
+                                     self.router.router_config(ctx.alias).kv_move_timeout_s)
+        self.metrics.prefix_pull(ctx.alias, move.tokens if move.moved else None)
+        if move.moved:
+            self.router.kv_moved(slot, max(0, move.tokens - held))
+        else:
+            log.info("prefix of session %s not pulled from %s to %s: %s", ctx.ask.prompt.session_id,
+                     slot.prefix_from, slot.instance_id, move.detail)
 
     async def _move_kv(self, ctx: RequestContext, slot: Slot) -> KVMove:
         config = self.router.router_config(ctx.alias)

@@ -72,6 +72,8 @@ class Slot:
     """Prompt tokens this request adds to the instance's pending prefill until its first token."""
     moved_from: str | None = None
     """Set when the router moves the request's session here from another host."""
+    prefix_from: str | None = None
+    """Set when the prompt's cached prefix is to be pulled from that instance before the request is sent."""
     reason: str = ""
     route: str = ""
     """Why this instance, as the answer explains it (`x-modelpool-route`): the router's reason, the tier's."""
@@ -251,7 +253,7 @@ class Router:
         self.pending[instance_id] = self.pending.get(instance_id, 0) + pending
         limit = row.capacity and kv_len and self._blocks_of(alias, row.capacity * kv_len)
         self.index.sent(instance_id, ask.prompt.blocks, limit or None)
-        slot = Slot(backend, row, ask, pending, choice.moved_from, choice.reason,
+        slot = Slot(backend, row, ask, pending, choice.moved_from, choice.prefix_from, choice.reason,
                     f"{backend.value} {instance_id}; {scheduler.name}: {choice.why}", scheduler.binds_sessions)
         self.slots.setdefault(instance_id, set()).add(slot)
         return slot
@@ -305,7 +307,8 @@ class Router:
             self._unpend(slot)
 
     def kv_moved(self, slot: Slot, tokens: int) -> None:
-        """The slot's session brought `tokens` of its KV along: they need no prefill on the new host."""
+        """`tokens` of the slot's prompt were brought along (its session's KV, or a pulled prefix beyond what the
+        instance held): they need no prefill there."""
         done = min(slot.pending, tokens)
         if done:
             left = self.pending.get(slot.instance_id, 0) - done

@@ -143,6 +143,11 @@ class RouterConfig(BaseModel):
     move_kv: bool = True
     """EAR: a moved session takes its KV along where both engines can export and import it (their
     internal ports); otherwise, or when the move fails, the new host recomputes the context."""
+    pull_prefix: bool = False
+    """A request placed on an instance that holds less of its prompt than another pulls the difference over the
+    engines' KV ports (with `move_kv`, where both engines can) instead of computing it again: the instances share
+    what any of them holds, as one pooled prefix cache (a KV connector's shared store on vLLM). The router then
+    sees every instance that can pull as holding what the best holder does."""
     kv_move_timeout_s: float = Field(default=10.0, gt=0)
     """EAR: a KV move that takes longer is abandoned, and the new host recomputes."""
     drain_handoff_s: float = Field(default=5.0, ge=0)

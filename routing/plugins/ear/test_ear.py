@@ -100,3 +100,32 @@ def test_affinity_is_ear_without_moves():
     assert affinity.choose(request(host="i0"), endpoints(0, 0, full=[True, False])) is None
     assert affinity.choose(request(), endpoints(T_HOT * 10, 0)).instance_id == "i1"
     assert affinity.choose(request(prompt_tokens=4000), endpoints(1000, 500, cached_tokens=[2500, 0])).instance_id == "i0"
+
+
+def test_with_pull_prefix_a_new_session_goes_by_load_and_pulls_the_prefix_from_its_holder():
+    # i0 holds half the prompt but has 5,500 more tokens pending than i1: kv-aware's scorers keep the session on i0;
+    # pulling, every instance that moves KV holds as much, so load decides and i1 pulls from i0.
+    pool = endpoints(6000, 500, 9000, cached_tokens=[2000, 0, 0], moves_kv=[True, True, True])
+    assert make_router("ear").choose(request(prompt_tokens=4000), pool).instance_id == "i0"
+    choice = make_router("ear", pull_prefix=True).choose(request(prompt_tokens=4000), pool)
+    assert (choice.instance_id, choice.prefix_from) == ("i1", "i0")
+    assert choice.why.endswith("2.0k tokens pulled")
+    # An engine that cannot import KV does not see the holder's prefix as its own, nor pull it; one that cannot
+    # export it is no source; the move_kv switch turns pulling off with moving.
+    stuck = endpoints(6000, 500, 9000, cached_tokens=[2000, 0, 0], moves_kv=[True, False, True])
+    choice = make_router("ear", pull_prefix=True).choose(request(prompt_tokens=4000), stuck)
+    assert choice.instance_id == "i0" and choice.prefix_from is None
+    mute = endpoints(6000, 500, 9000, cached_tokens=[2000, 0, 0], moves_kv=[False, True, True])
+    assert make_router("ear", pull_prefix=True).choose(request(prompt_tokens=4000), mute).prefix_from is None
+    assert make_router("ear", pull_prefix=True, move_kv=False).choose(request(prompt_tokens=4000), pool).prefix_from is None
+
+
+def test_nothing_is_pulled_for_a_bound_session_or_a_prefix_shorter_than_a_block():
+    router = make_router("ear", pull_prefix=True, t_hot_tokens=T_HOT)
+    pool = endpoints(6000, 500, 9000, cached_tokens=[2000, 0, 0], moves_kv=[True, True, True])
+    bound = router.choose(request(prompt_tokens=4000, host="i1"), pool)  # its host holds its KV
+    assert (bound.instance_id, bound.prefix_from) == ("i1", None)
+    short = endpoints(6000, 500, 9000, cached_tokens=[400, 0, 0], moves_kv=[True, True, True])
+    assert router.choose(request(prompt_tokens=4000), short).prefix_from is None
+    kv_aware = make_router("kv-aware", pull_prefix=True)  # any router may pull: each request is placed anew
+    assert kv_aware.choose(request(prompt_tokens=4000), pool).prefix_from == "i0"
