@@ -71,6 +71,7 @@ def build_scheduler(config: RouterConfig, rng: random.Random) -> Scheduler:
     if "has-room" not in filters:  # admission's bound: no router sends an instance more than its capacity
         filters = (*filters, "has-room")
     scorers = config.scorers if config.scorers is not None else scorers
+    pulls_prefix = config.pull_prefix and config.move_kv  # a pull is a KV move
     return Scheduler(
         f"{config.plugin} (custom)" if custom else config.plugin,
         [FILTERS[name](config) for name in filters],
@@ -79,6 +80,6 @@ def build_scheduler(config: RouterConfig, rng: random.Random) -> Scheduler:
         binds_sessions=config.binds_sessions,
         per_session="session-hash" in filters,
         reads_cache=(any(s.name == "prefix-hit" for s in scorers)
-                     or "session-host-or-move" in filters or config.pull_prefix),
-        pulls_prefix=config.pull_prefix and config.move_kv,
+                     or "session-host-or-move" in filters or pulls_prefix),
+        pulls_prefix=pulls_prefix,
     )

@@ -19,7 +19,7 @@ EAR_PULLING = {"plugin": "ear", "t_hot_tokens": 400, "t_cool_s": 30, "pull_prefi
 async def a_second_session_while_the_first_keeps_its_host_busy(client: httpx.AsyncClient, tools: str,
                                                               long_words: int = 2000, **extra):
     """Session a opens with the tools; while a long turn of a keeps its host in prefill, session b opens with the
-    same tools. Both first answers and b's."""
+    same tools. a's first answer and b's."""
     first = await client.post("/v1/chat/completions", json=chat("fix the build", system=tools, **extra),
                               headers={"x-session-id": "a"})
     assert first.status_code == 200, first.text
