@@ -54,6 +54,7 @@ class GatewayMetrics:
         self.kv_move_seconds: dict[tuple[str, str], float] = {}
         self.prefix_pulls: dict[tuple[str, str], int] = {}
         self.prefix_pulled_tokens: dict[str, int] = {}
+        self.prefix_pull_seconds: dict[tuple[str, str], float] = {}
 
     def request(self, alias: str, backend: str, outcome: str, status: int | None) -> None:
         """`status`: the HTTP status the client got (None: it left before any)."""
@@ -97,10 +98,12 @@ class GatewayMetrics:
         self.kv_moves[key] = self.kv_moves.get(key, 0) + 1
         self.kv_move_seconds[key] = self.kv_move_seconds.get(key, 0.0) + seconds
 
-    def prefix_pull(self, alias: str, tokens: int | None) -> None:
-        """A prompt's prefix pulled from another instance (`tokens` of it), or computed again (None)."""
+    def prefix_pull(self, alias: str, tokens: int | None, seconds: float) -> None:
+        """A prompt's prefix pulled from another instance (`tokens` of it), or computed again (None), after
+        `seconds` spent trying."""
         key = (alias, "pulled" if tokens is not None else "recomputed")
         self.prefix_pulls[key] = self.prefix_pulls.get(key, 0) + 1
+        self.prefix_pull_seconds[key] = self.prefix_pull_seconds.get(key, 0.0) + seconds
         if tokens is not None:
             self.prefix_pulled_tokens[alias] = self.prefix_pulled_tokens.get(alias, 0) + tokens
 
@@ -163,6 +166,11 @@ class GatewayMetrics:
                "again (recomputed).")
         for (alias, outcome), n in sorted(self.prefix_pulls.items()):
             out.append(f"modelpool:prefix_pulls_total{{{_labels(alias=alias, outcome=outcome)}}} {n}")
+        family(out, "modelpool:prefix_pull_seconds_total", "counter",
+               "Time requests waited for their prefix's pull (export, transfer, import) before they were sent, by "
+               "outcome.")
+        for (alias, outcome), t in sorted(self.prefix_pull_seconds.items()):
+            out.append(f"modelpool:prefix_pull_seconds_total{{{_labels(alias=alias, outcome=outcome)}}} {t:.6f}")
         family(out, "modelpool:prefix_pulled_tokens_total", "counter", "Prompt tokens pulled from another instance.")
         for alias, n in sorted(self.prefix_pulled_tokens.items()):
             out.append(f"modelpool:prefix_pulled_tokens_total{{{_labels(alias=alias)}}} {n}")

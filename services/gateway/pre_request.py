@@ -69,7 +69,7 @@ class PreRequest:
         move = await self.mover.move(self.view[INSTANCES].get(slot.prefix_from), slot.instance,
                                      ctx.ask.prompt.session_id, ctx.path, ctx.payload,
                                      self.router.router_config(ctx.alias).kv_move_timeout_s)
-        self.metrics.prefix_pull(ctx.alias, move.tokens if move.moved else None)
+        self.metrics.prefix_pull(ctx.alias, move.tokens if move.moved else None, move.seconds)
         if move.moved:
             self.router.kv_moved(slot, max(0, move.tokens - held))
         else:

@@ -15,8 +15,9 @@ simulated engine's `--speedup`): tool times are divided by it and every time
 reported is multiplied by it, so the summary is in the trace's own seconds.
 
 What is measured per request: time to the first content, time per output token
-after it, end to end, the prompt and cached tokens the engine reports, and the
-instance that served it (the gateway's `x-modelpool-instance`).
+after it, end to end, the prompt and cached tokens the engine reports, the
+instance that served it and why the gateway chose it (its `x-modelpool-instance`
+and `x-modelpool-route`).
 
 The client is aiohttp's (`replay_client`): an open-loop replay keeps hundreds
 of streams open at once, and a load generator whose own cost grows with them
@@ -73,6 +74,8 @@ class ReplayedRequest:
     cached_tokens: int = 0
     completion_tokens: int = 0
     instance: str | None = None
+    route: str | None = None
+    """Why the gateway sent it there (`x-modelpool-route`)."""
 
 
 def replay_client(timeout_s: float, headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
@@ -144,6 +147,7 @@ class Replay:
                                                  "content-type": "application/json"}) as response:
                 record.status = response.status
                 record.instance = response.headers.get("x-modelpool-instance")
+                record.route = response.headers.get("x-modelpool-route")
                 if response.status != 200:
                     record.error = (await response.read()).decode(errors="replace")[:300]
                     return None

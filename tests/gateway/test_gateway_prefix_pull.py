@@ -6,6 +6,7 @@ served either way."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 
@@ -45,6 +46,9 @@ async def test_a_new_session_placed_by_load_pulls_the_shared_prefix_from_the_ins
         assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared * 0.9
         metrics = await gateway.metrics()
         assert 'modelpool:prefix_pulls_total{alias="tiny",outcome="pulled"} 1' in metrics
+        # The pull's wait is counted: at least the simulated link's transfer of what was pulled.
+        waited = re.search(r'modelpool:prefix_pull_seconds_total\{alias="tiny",outcome="pulled"\} ([0-9.]+)', metrics)
+        assert waited is not None and float(waited.group(1)) > 0, metrics
     finally:
         for engine in slow:
             engine.stop()
