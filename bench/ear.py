@@ -162,12 +162,10 @@ async def engine_drift(client: aiohttp.ClientSession, urls: list[str]) -> float:
     """How much slower than modelled the engine furthest behind ran its batches: actual / scheduled wall time - 1."""
     worst = 0.0
     for url in urls:
-        async with client.get(f"{url}/metrics") as response:
-            counters = dict(line.split()[:2] for line in (await response.text()).splitlines()
-                            if line.startswith("modelpool_sim_") and "_seconds_total " in line)
-        scheduled = float(counters["modelpool_sim_scheduled_seconds_total"])
-        if scheduled > 0:  # an engine that ran no batch fell behind nothing
-            worst = max(worst, float(counters["modelpool_sim_actual_seconds_total"]) / scheduled - 1)
+        async with client.get(f"{url}/sim/status") as response:
+            status = await response.json()
+        if status["scheduled_wall_s"] > 0:  # an engine that ran no batch fell behind nothing
+            worst = max(worst, status["actual_wall_s"] / status["scheduled_wall_s"] - 1)
     return round(worst, 3)
 
 
