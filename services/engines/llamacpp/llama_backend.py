@@ -251,10 +251,30 @@ PENALTY_WINDOW = 256
 
 
 class Sampler:
-    """A per-sequence llama.cpp sampler chain (top-k, top-p, min-p, temperature, seeded draw)."""
+    """A per-sequence sampler: llama.cpp's chain (top-k, top-p, min-p, temperature, seeded draw, penalties), or, for
+    a greedy request without penalties, the argmax of the logits row plus its biases, read in place.
+
+    The chain copies the whole vocabulary into a candidate array on every token (about 250 us for SmolLM2's 49,152
+    tokens here, against 15 us for an argmax over the row): per decode step, once per sequence in the batch. The
+    greedy path gives the token the chain's greedy sampler would (the first of equal maxima)."""
 
     def __init__(self, backend: LlamaBackend, params: SamplingParams) -> None:
         self._backend = backend
+        self.chain = None
+        self._bias_tokens: np.ndarray | None = None
+        self._bias_values: np.ndarray | None = None
+        self._biased: frozenset[int] = frozenset()
+        penalised = bool(params.presence_penalty or params.frequency_penalty)
+        if params.greedy and not penalised:
+            if params.logit_bias:
+                merged: dict[int, float] = {}
+                for token, bias in params.logit_bias:
+                    merged[token] = merged.get(token, 0.0) + bias
+                tokens = sorted(merged)
+                self._bias_tokens = np.array(tokens, dtype=np.intp)
+                self._bias_values = np.array([merged[t] for t in tokens], dtype=np.float32)
+                self._biased = frozenset(tokens)
+            return
         self.chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         if params.logit_bias:
             biases = (llama.llama_logit_bias * len(params.logit_bias))()
@@ -263,7 +283,7 @@ class Sampler:
             llama.llama_sampler_chain_add(
                 self.chain, llama.llama_sampler_init_logit_bias(backend.n_vocab, len(params.logit_bias), biases)
             )
-        if params.presence_penalty or params.frequency_penalty:
+        if penalised:
             # OpenAI's penalties count tokens generated so far; the chain accepts each sampled token.
             llama.llama_sampler_chain_add(
                 self.chain,
@@ -285,7 +305,25 @@ class Sampler:
         llama.llama_sampler_chain_add(self.chain, llama.llama_sampler_init_dist(seed & 0xFFFFFFFF))
 
     def sample(self, batch_index: int) -> int:
-        return int(llama.llama_sampler_sample(self.chain, self._backend.ctx, batch_index))
+        if self.chain is not None:
+            return int(llama.llama_sampler_sample(self.chain, self._backend.ctx, batch_index))
+        backend = self._backend
+        row = np.ctypeslib.as_array(llama.llama_get_logits_ith(backend.ctx, batch_index), shape=(backend.n_vocab,))
+        best = int(row.argmax())
+        tokens, values = self._bias_tokens, self._bias_values
+        if tokens is None or values is None:
+            return best
+        if best in self._biased:
+            biased = row.copy()  # the row's own maximum is biased: every token's biased logit is needed
+            biased[tokens] += values
+            return int(biased.argmax())
+        # The unbiased maximum stands unless a biased token now exceeds it (or equals it at a lower id).
+        scores = row[tokens] + values
+        j = int(scores.argmax())
+        top, candidate = float(row[best]), int(tokens[j])
+        if scores[j] > top or (scores[j] == top and candidate < best):
+            return candidate
+        return best
 
     def free(self) -> None:
         if self.chain:
