@@ -12,16 +12,21 @@ All run in this one invocation, on the same model, thread count and number of se
   engine on this library reaches on this machine;
 - ours: `modelpool engine llama.cpp` over HTTP.
 
-Each level c in --concurrency runs c client streams, each sending --rounds
+Each level c in --concurrency runs c client streams for --seconds, each sending
 chat requests back to back (greedy, --max-tokens output with end-of-generation
-suppressed by logit_bias so every answer has the same length). With --slots 8,
-16 streams are twice what either server decodes at once: the overload level, where
-it shows who queues and who refuses. Reported: aggregate output tokens/s, client-side
-TTFT p50/p95/p99, refused or failed requests; each level measured --repeats times on
-every system back to back, the median run kept and the spread of the ratio to
-llama-server given. The last line printed is one JSON object.
+suppressed by logit_bias so every answer has the same length); the streams drift
+apart, so requests arrive one at a time while others decode, as a server's clients
+do. With --slots 8, 16 streams are twice what either server decodes at once: the
+overload level, where it shows who queues and who refuses. Reported: aggregate
+output tokens/s (over all repeats, and the spread of the ratio to llama-server
+repeat by repeat), client-side TTFT p50/p95/p99 over every request of every
+repeat, refused or failed requests, and retried ones (a connection the server
+dropped before answering is retried once, as OpenAI's client does). Each repeat
+measures every system once, in an order rotated by one each repeat, so a drift
+in the machine lands on each alike.
+The last line printed is one JSON object.
 
-    .venv/bin/python bench/llamacpp_engine.py [--threads 2] [--slots 8] [--concurrency 1,4,8,16] [--repeats 3]
+    .venv/bin/python bench/llamacpp_engine.py [--threads 2] [--slots 8] [--concurrency 1,4,8,16] [--seconds 10] [--repeats 8]
 """
 
 from __future__ import annotations
@@ -151,7 +156,13 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int,
-                     eog_bias: dict[str, float], unique: bool) -> tuple[float, int]:
+                     eog_bias: dict[str, float], unique: bool) -> tuple[float, int, int]:
+    """One streamed chat request: (TTFT from the first send, content chunks, retries).
+
+    A server that closes a kept-alive connection just as the next request goes out on it (llama-server does, now
+    and then) has answered nothing: the request is sent once more on a new connection, as OpenAI's client retries
+    a dropped connection, and the retry is counted. TTFT counts from the first send, as that client's caller sees it.
+    """
     body = {
         "model": model,
         "messages": messages(i, f"[{uuid.uuid4().hex[:8]}] " if unique else ""),
@@ -163,57 +174,83 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, i: int, ma
     t0 = time.perf_counter()
     ttft = None
     n = 0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices", []):
-                if choice.get("delta", {}).get("content"):
-                    n += 1
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-    return (ttft if ttft is not None else float("nan")), n
+    for retries in range(2):
+        answered = False
+        try:
+            async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                answered = True
+                if r.status_code != 200:
+                    raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    for choice in chunk.get("choices", []):
+                        if choice.get("delta", {}).get("content"):
+                            n += 1
+                            if ttft is None:
+                                ttft = time.perf_counter() - t0
+            return (ttft if ttft is not None else float("nan")), n, retries
+        except httpx.RemoteProtocolError:
+            if answered or retries:
+                raise
+    raise AssertionError("unreachable")
 
 
-async def load_level(url: str, model: str, c: int, rounds: int, max_tokens: int, eog_bias: dict[str, float],
-                     unique: bool = False) -> dict[str, float]:
+async def load_level(url: str, model: str, c: int, seconds: float, max_tokens: int, eog_bias: dict[str, float],
+                     unique: bool = False) -> dict:
+    """c streams sending requests back to back for `seconds` (each finishes the one it has in flight); tokens/s
+    over the wall time until the last one ends, and every answered request's TTFT."""
     ttfts: list[float] = []
     tokens = 0
     failed = 0
+    retried = 0
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=c + 4)) as client:
+        t0 = time.perf_counter()
+        deadline = t0 + seconds
 
         async def worker(w: int) -> None:
-            nonlocal tokens, failed
-            for r in range(rounds):
+            nonlocal tokens, failed, retried
+            k = 0
+            while time.perf_counter() < deadline:
                 try:
-                    ttft, n = await one_stream(client, url, model, w * rounds + r, max_tokens, eog_bias, unique)
+                    ttft, n, retries = await one_stream(client, url, model, w + c * k, max_tokens, eog_bias, unique)
                 except (RuntimeError, httpx.HTTPError) as exc:  # refused (a full queue) or failed: counted
                     failed += 1
                     print(f"{url}: request failed: {exc!r}", file=sys.stderr)
-                    continue
-                ttfts.append(ttft)
-                tokens += n
+                else:
+                    ttfts.append(ttft)
+                    tokens += n
+                    retried += retries
+                k += 1
 
-        t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(c)))
         wall = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / wall, "ttfts": ttfts, "failed": failed, "retried": retried, "tokens": tokens,
+            "wall_s": wall}
+
+
+def level_result(runs: list[dict]) -> dict[str, float]:
+    """The repeats of one level on one system: tokens/s over them all (every token over every repeat's wall time,
+    so a slow spell of the machine weighs by its length), TTFT percentiles over every request of every repeat and
+    the range of each repeat's own p99, failures and retries summed."""
+    ttfts = [t for run in runs for t in run["ttfts"]]
+    p99s = [percentile(run["ttfts"], 0.99) * 1000 for run in runs]
     return {
-        "tokens_per_s": tokens / wall,
+        "tokens_per_s": sum(run["tokens"] for run in runs) / sum(run["wall_s"] for run in runs),
         "ttft_p50_ms": percentile(ttfts, 0.5) * 1000,
         "ttft_p95_ms": percentile(ttfts, 0.95) * 1000,
         "ttft_p99_ms": percentile(ttfts, 0.99) * 1000,
-        "failed": failed,
-        "tokens": tokens,
-        "wall_s": wall,
+        "ttft_p99_ms_range": [min(p99s), max(p99s)],
+        "requests": len(ttfts),
+        "failed": sum(run["failed"] for run in runs),
+        "retried": sum(run["retried"] for run in runs),
     }
 
 
 def warm_up(url: str, model: str, eog_bias: dict[str, float]) -> None:
-    """One short request, so model pages and caches are hot for every server alike."""
-    asyncio.run(load_level(url, model, 1, 1, 8, eog_bias))
+    """A few short requests, so model pages and caches are hot for every server alike."""
+    asyncio.run(load_level(url, model, 1, 1.0, 8, eog_bias))
 
 
 def plot(path: Path, levels: list[int], systems: dict[str, dict[int, dict[str, float]]], limit: dict[int, float],
@@ -256,10 +293,8 @@ def stock_available() -> str | None:
 
 
 OURS, SERVER, STOCK = "modelpool engine llama.cpp", "llama-server", "llama_cpp.server"
-
-
-def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
-    return sorted(runs, key=lambda run: run["tokens_per_s"])[len(runs) // 2]
+LIMIT_ROUNDS = 2
+"""Rounds of --max-tokens decode steps the bare loop times per repeat."""
 
 
 def main() -> int:
@@ -269,14 +304,18 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=8, help="sequences each server decodes at once (its default: 8)")
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2, help="requests per client stream at each level")
-    ap.add_argument("--repeats", type=int, default=3, help="measure each level this many times; the median run is kept")
+    ap.add_argument("--seconds", type=float, default=10.0, help="how long each level runs on each system, per repeat")
+    ap.add_argument("--repeats", type=int, default=8,
+                    help="measure each level this many times on every system, alternating (this machine's speed "
+                         "drifts by tens of percent within a minute: short alternating windows share the drift)")
     ap.add_argument("--prompts", choices=("repeated", "unique"), default="repeated",
                     help="repeated: 16 prompts over and over (prompt caches answer them); unique: each request's "
                          "own (only the chat template's opening is shared)")
     ap.add_argument("--llama-server-args", default="",
                     help="more arguments for llama-server, as one string (e.g. \"--cache-ram 0\" turns its host-memory "
                          "prompt cache off)")
+    ap.add_argument("--engine-args", default="",
+                    help="more arguments for modelpool's engine, as one string (e.g. \"--admission-wait-ms 0\")")
     ap.add_argument("--skip-stock", action="store_true")
     ap.add_argument("--logs", type=Path, default=Path("/tmp"), help="where server logs go")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG of tokens/s and TTFT against streams")
@@ -298,6 +337,7 @@ def main() -> int:
         sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--model", str(model), "--port", str(port),
         "--threads", str(args.threads), "--n-seq-max", str(slots), "--n-ctx", str(n_ctx),
         "--max-running", str(slots), "--max-batch-size", str(slots), "--model-alias", "bench", "--log-level", "warning",
+        *args.engine_args.split(),
     ], f"http://127.0.0.1:{port}")
     port = free_port()
     commands[SERVER] = ([
@@ -332,14 +372,15 @@ def main() -> int:
         for c in tqdm(levels, desc="concurrency levels"):
             limit_runs: list[float] = []
             runs: dict[str, list[dict[str, float]]] = {name: [] for name in commands}
-            for _ in range(args.repeats):
-                limit_runs.append(limit_loop.measure(c, args.max_tokens, args.rounds))
-                for name, (_, url) in commands.items():
-                    runs[name].append(asyncio.run(load_level(url, "bench", c, args.rounds, args.max_tokens, eog_bias,
-                                                             args.prompts == "unique")))
+            for repeat in range(args.repeats):
+                limit_runs.append(limit_loop.measure(c, args.max_tokens, LIMIT_ROUNDS))
+                names = list(commands)
+                for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+                    runs[name].append(asyncio.run(load_level(commands[name][1], "bench", c, args.seconds,
+                                                             args.max_tokens, eog_bias, args.prompts == "unique")))
             limit[c] = sorted(limit_runs)[len(limit_runs) // 2]
             for name in commands:
-                results[name][c] = median_run(runs[name])
+                results[name][c] = level_result(runs[name])
             ratio_spread[c] = sorted(o["tokens_per_s"] / s["tokens_per_s"] for o, s in zip(runs[OURS], runs[SERVER]))
             tqdm.write(f"c={c}: limit {limit[c]:.1f} tok/s, " + ", ".join(
                 f"{name} {results[name][c]['tokens_per_s']:.1f} tok/s" for name in commands), file=sys.stderr)
@@ -350,16 +391,17 @@ def main() -> int:
 
     ours, server = results[OURS], results[SERVER]
     print(f"model {model.name}, threads {args.threads}, {slots} slots each, max_tokens {args.max_tokens}, "
-          f"rounds {args.rounds}, {args.prompts} prompts, median of {args.repeats}")
+          f"{args.seconds:g} s a level, {args.prompts} prompts, {args.repeats} repeats")
     print("| streams | " + " | ".join(f"{n} tok/s" for n in commands) + " | limit tok/s | ours / llama-server (spread) | "
-          + " | ".join(f"{n} TTFT p50/p99 ms" for n in commands) + " | failed (ours / llama-server) |")
+          + " | ".join(f"{n} TTFT p50/p99 ms" for n in commands) + " | requests (ours / llama-server) | failed | retried |")
     for c in levels:
         spread = ratio_spread[c]
         print(f"| {c} | " + " | ".join(f"{results[n][c]['tokens_per_s']:.1f}" for n in commands)
               + f" | {limit[c]:.1f} | {ours[c]['tokens_per_s'] / server[c]['tokens_per_s']:.2f} "
               f"({spread[0]:.2f}–{spread[-1]:.2f}) | "
               + " | ".join(f"{results[n][c]['ttft_p50_ms']:.0f} / {results[n][c]['ttft_p99_ms']:.0f}" for n in commands)
-              + f" | {ours[c]['failed']} / {server[c]['failed']} |")
+              + f" | {ours[c]['requests']} / {server[c]['requests']} | {ours[c]['failed']} / {server[c]['failed']}"
+              f" | {ours[c]['retried']} / {server[c]['retried']} |")
 
     if args.plot is not None:
         plot(args.plot, levels, results, limit,
@@ -375,6 +417,8 @@ def main() -> int:
     result = {
         "slots": slots,
         "prompts": args.prompts,
+        "seconds_per_level": args.seconds,
+        "repeats": args.repeats,
         "llama_server_tokens_per_s_c8": r(server[8]["tokens_per_s"], 1) if 8 in server else None,
         "ratio_vs_llama_server_c1": ratio(1),
         "ratio_vs_llama_server_c8": ratio(8),
@@ -384,7 +428,12 @@ def main() -> int:
         "llama_server_ttft_p50_ms_c8": r(server[8]["ttft_p50_ms"], 1) if 8 in server else None,
         "ours_ttft_p99_ms_overload": r(ours[overload]["ttft_p99_ms"], 1) if overload in ours else None,
         "llama_server_ttft_p99_ms_overload": r(server[overload]["ttft_p99_ms"], 1) if overload in server else None,
+        "ttft_p99_ms_overload_range": {
+            OURS: [r(x, 1) for x in ours[overload]["ttft_p99_ms_range"]],
+            SERVER: [r(x, 1) for x in server[overload]["ttft_p99_ms_range"]],
+        } if overload in ours and overload in server else None,
         "failed_overload": [ours[overload]["failed"], server[overload]["failed"]] if overload in ours else None,
+        "retried": {name: sum(results[name][c]["retried"] for c in levels) for name in commands},
         "ratio_tokens_per_s_c1": r(ours[1]["tokens_per_s"] / stock[1]["tokens_per_s"]) if 1 in stock else None,
         "ratio_tokens_per_s_c8": r(ours[8]["tokens_per_s"] / stock[8]["tokens_per_s"]) if 8 in stock else None,
         "efficiency_c8": r(ours[8]["tokens_per_s"] / limit[8]) if 8 in ours else None,
