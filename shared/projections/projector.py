@@ -100,6 +100,10 @@ class Projector:
         return applied
 
     async def _apply_batch(self, events: list[StoredEvent]) -> int:
+        # From the first fold until the write commits, the rows in memory are ahead of the tables; folding the same
+        # events again on top of them would count some twice. Whatever ends this early (a failed write, a reducer's
+        # error, the task cancelled), the next catch-up starts over from the tables, whenever they can be read again.
+        self.stale = True
         touched: dict[str, dict[str, None]] = {p.name: {} for p in self.projections}
         applied = 0
         for event in events:
@@ -109,21 +113,15 @@ class Projector:
                     touched[p.name][key] = None
             applied += bool(fresh)
         last = events[-1].position
-        try:
-            async with self.engine.begin() as conn:
-                for p in self.projections:
-                    if touched[p.name]:
-                        await write_rows(conn, p, self.rows[p.name], list(touched[p.name]))
-                    if last > self.positions[p.name]:
-                        await save_position(conn, p.name, last)
-        except Exception:
-            # The rows in memory are ahead of the tables now; folding the same events
-            # again on top of them would count some twice. Start over from the tables,
-            # whenever they can be read again: no fold before that.
-            self.stale = True
-            raise
+        async with self.engine.begin() as conn:
+            for p in self.projections:
+                if touched[p.name]:
+                    await write_rows(conn, p, self.rows[p.name], list(touched[p.name]))
+                if last > self.positions[p.name]:
+                    await save_position(conn, p.name, last)
         for p in self.projections:
             self.positions[p.name] = max(self.positions[p.name], last)
+        self.stale = False
         return applied
 
 
