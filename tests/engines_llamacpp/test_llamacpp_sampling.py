@@ -58,8 +58,7 @@ def test_the_greedy_sampler_picks_what_llama_cpp_s_chain_picks_under_any_bias(ba
         finally:
             sampler.free()
     # The row read in place is left as it was.
-    assert np.array_equal(
-        np.ctypeslib.as_array(llama.llama_get_logits_ith(backend8.ctx, index), shape=(backend8.n_vocab,)), row)
+    assert np.array_equal(backend8.logits(index), row)
 
 
 def test_a_tie_goes_to_the_lower_token_id_as_in_llama_cpp(backend8, logits_of_a_prompt) -> None:  # type: ignore[no-untyped-def]

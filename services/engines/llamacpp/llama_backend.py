@@ -229,10 +229,14 @@ class LlamaBackend:
             raise DecodeError(f"llama_decode returned {rc} for a batch of {n} tokens")
         return out_index
 
+    def logits_in_place(self, batch_index: int) -> np.ndarray:
+        """The logits row of one batch position of the last decode, where llama.cpp keeps it (valid until the next
+        decode; not to be written)."""
+        return np.ctypeslib.as_array(llama.llama_get_logits_ith(self.ctx, batch_index), shape=(self.n_vocab,))
+
     def logits(self, batch_index: int) -> np.ndarray:
         """A copy of the logits row of one batch position of the last decode."""
-        ptr = llama.llama_get_logits_ith(self.ctx, batch_index)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        return self.logits_in_place(batch_index).copy()
 
     def new_sampler(self, params: SamplingParams) -> "Sampler":
         return Sampler(self, params)
@@ -261,8 +265,8 @@ class Sampler:
     def __init__(self, backend: LlamaBackend, params: SamplingParams) -> None:
         self._backend = backend
         self.chain = None
-        self._bias_tokens: np.ndarray | None = None
-        self._bias_values: np.ndarray | None = None
+        self._bias: tuple[np.ndarray, np.ndarray] | None = None
+        """Greedy path: the biased token ids, ascending, and their summed biases."""
         self._biased: frozenset[int] = frozenset()
         penalised = bool(params.presence_penalty or params.frequency_penalty)
         if params.greedy and not penalised:
@@ -271,8 +275,7 @@ class Sampler:
                 for token, bias in params.logit_bias:
                     merged[token] = merged.get(token, 0.0) + bias
                 tokens = sorted(merged)
-                self._bias_tokens = np.array(tokens, dtype=np.intp)
-                self._bias_values = np.array([merged[t] for t in tokens], dtype=np.float32)
+                self._bias = (np.array(tokens, dtype=np.intp), np.array([merged[t] for t in tokens], dtype=np.float32))
                 self._biased = frozenset(tokens)
             return
         self.chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
@@ -307,12 +310,11 @@ class Sampler:
     def sample(self, batch_index: int) -> int:
         if self.chain is not None:
             return int(llama.llama_sampler_sample(self.chain, self._backend.ctx, batch_index))
-        backend = self._backend
-        row = np.ctypeslib.as_array(llama.llama_get_logits_ith(backend.ctx, batch_index), shape=(backend.n_vocab,))
+        row = self._backend.logits_in_place(batch_index)
         best = int(row.argmax())
-        tokens, values = self._bias_tokens, self._bias_values
-        if tokens is None or values is None:
+        if self._bias is None:
             return best
+        tokens, values = self._bias
         if best in self._biased:
             biased = row.copy()  # the row's own maximum is biased: every token's biased logit is needed
             biased[tokens] += values
