@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-input-tokens", type=int, help="longest prompt accepted (default 1024)")
     p.add_argument("--max-output-tokens", type=int, help="largest max_tokens accepted (default 2048)")
     p.add_argument("--admission-wait-ms", type=float,
-                   help="an idle engine's wait for the rest of a burst of requests before its first step (default 5)")
+                   help="an idle engine's wait for the rest of a burst of requests before its first step, "
+                        "while bursts are arriving (default 5)")
     p.add_argument("--request-timeout", dest="request_timeout_s", type=float, help="seconds before 408 (default 60)")
     p.add_argument("--kv-cache-max-memory-mb", type=float, help="KV cache manager memory limit (default 1024)")
     p.add_argument("--kv-cache-eviction-threshold", type=float, help="evict parked KV above this usage (default 0.8)")

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from .burst_wait import BurstWait
 from .kv_cache import MIB, KVCacheManager, KVLimits
 from .llama_backend import LlamaModelConfig, DecodeError, LlamaBackend, Sampler
 from .metrics import EngineMetrics, render_prometheus
@@ -115,6 +116,7 @@ class LlamaEngine:
         self._jobs: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._saved_states: dict[int, bytes] = {}
         """The host-memory prompt cache's sequence states by key (the decode thread's alone)."""
+        self._burst = BurstWait(settings.admission_wait_ms / 1000)
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -166,6 +168,7 @@ class LlamaEngine:
             except Exception:
                 self.metrics.rejected_429 += 1
                 raise
+            self._burst.arrived(request.arrived_at, busy=bool(self._scheduler.running))
             self.metrics.prompt_tokens += len(prompt_tokens)
             self._lock.notify_all()
             return request.request_id
@@ -370,19 +373,17 @@ class LlamaEngine:
             outbox.deliver()
 
     def _gathering(self, now: float) -> float:
-        """How much longer an idle engine waits for more of a burst before its first step (0: it goes now).
-
-        Requests that arrive together (clients fanning out, a batch job) reach the
-        decode thread one by one, as the event loop parses them; starting the
-        first alone would make the others wait out its whole step. An idle engine
-        gives them `admission_wait_ms` from the first arrival; a busy one needs no
-        wait (arrivals join its next step anyway), nor does a full batch."""
+        """How much longer an idle engine waits for more of a burst before its first step (0: it goes now; see
+        `BurstWait`). A busy engine never waits, arrivals join its next step anyway; nor does a full batch."""
         s = self._scheduler
         assert s is not None
-        window = self.settings.admission_wait_ms / 1000
-        if not window or not s.queue or s.processing() or s.waiting() >= self.settings.batch_width:
+        if not s.queue or s.processing():
             return 0.0
-        return window - (now - s.queue[0].request.arrived_at)
+        arrivals = [t.request.arrived_at for t in s.queue]
+        wait = 0.0 if s.waiting() >= self.settings.batch_width else self._burst.wait_s(now, arrivals)
+        if wait <= 0:
+            self._burst.started(arrivals)
+        return wait
 
     def _step(self, plan: StepPlan, outbox: _Outbox) -> None:
         backend = self.backend

@@ -53,7 +53,8 @@ class EngineSettings(BaseModel):
     max_input_tokens: int = Field(default=1024, ge=1)
     max_output_tokens: int = Field(default=2048, ge=1)
     admission_wait_ms: float = Field(default=5.0, ge=0)
-    """An idle engine's wait for the rest of a burst before its first step (0: none); a busy engine never waits."""
+    """An idle engine's wait for the rest of a burst before its first step, while bursts are what it sees (0: none);
+    a busy engine never waits (`burst_wait.py`)."""
     request_timeout_s: float = Field(default=60.0, gt=0)
     timeout_scan_interval_s: float = Field(default=1.0, gt=0)
 
