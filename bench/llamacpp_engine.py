@@ -147,6 +147,16 @@ def start_server(cmd: list[str], port: int, log_path: Path, ready_path: str) -> 
     raise RuntimeError(f"server did not come up; see {log_path}")
 
 
+def engine_command(model: Path, port: int, threads: int, slots: int, extra: list[str]) -> list[str]:
+    """modelpool's engine decoding `slots` sequences at once with 1024 tokens of KV each, as the peers get."""
+    return [
+        sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--model", str(model), "--port", str(port),
+        "--threads", str(threads), "--n-seq-max", str(slots), "--n-ctx", str(slots * 1024),
+        "--max-running", str(slots), "--max-batch-size", str(slots), "--model-alias", "bench", "--log-level", "warning",
+        *extra,
+    ]
+
+
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
@@ -333,12 +343,8 @@ def main() -> int:
     # queueing the rest: one KV stream per sequence, as our engine keeps them.
     commands: dict[str, tuple[list[str], str]] = {}
     port = free_port()
-    commands[OURS] = ([
-        sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--model", str(model), "--port", str(port),
-        "--threads", str(args.threads), "--n-seq-max", str(slots), "--n-ctx", str(n_ctx),
-        "--max-running", str(slots), "--max-batch-size", str(slots), "--model-alias", "bench", "--log-level", "warning",
-        *args.engine_args.split(),
-    ], f"http://127.0.0.1:{port}")
+    commands[OURS] = (engine_command(model, port, args.threads, slots, args.engine_args.split()),
+                      f"http://127.0.0.1:{port}")
     port = free_port()
     commands[SERVER] = ([
         str(llama_server_binary()), "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
