@@ -147,11 +147,15 @@ def start_server(cmd: list[str], port: int, log_path: Path, ready_path: str) -> 
     raise RuntimeError(f"server did not come up; see {log_path}")
 
 
+CTX_PER_SLOT = 1024
+"""Tokens of KV each sequence slot gets, in every server alike."""
+
+
 def engine_command(model: Path, port: int, threads: int, slots: int, extra: list[str]) -> list[str]:
-    """modelpool's engine decoding `slots` sequences at once with 1024 tokens of KV each, as the peers get."""
+    """modelpool's engine decoding `slots` sequences at once with `CTX_PER_SLOT` tokens of KV each, as the peers get."""
     return [
         sys.executable, "-m", "services.cli", "engine", "llama.cpp", "--model", str(model), "--port", str(port),
-        "--threads", str(threads), "--n-seq-max", str(slots), "--n-ctx", str(slots * 1024),
+        "--threads", str(threads), "--n-seq-max", str(slots), "--n-ctx", str(slots * CTX_PER_SLOT),
         "--max-running", str(slots), "--max-batch-size", str(slots), "--model-alias", "bench", "--log-level", "warning",
         *extra,
     ]
@@ -332,7 +336,7 @@ def main() -> int:
     args = ap.parse_args()
     model = args.model or default_model_path()
     levels = [int(x) for x in args.concurrency.split(",")]
-    slots, n_ctx = args.slots, args.slots * 1024
+    slots, n_ctx = args.slots, args.slots * CTX_PER_SLOT
     overload = 2 * slots
 
     backend = LlamaBackend(LlamaModelConfig(model, n_ctx=256, n_seq_max=1, threads=1))
@@ -364,7 +368,7 @@ def main() -> int:
 
     # All are up at once (idle servers cost no CPU) and each level is measured on every system
     # back to back, so drifting background load biases no one system.
-    limit_loop = BareDecodeLimit(model, args.threads, max(levels), max(levels) * 1024)
+    limit_loop = BareDecodeLimit(model, args.threads, max(levels), max(levels) * CTX_PER_SLOT)
     procs = []
     limit: dict[int, float] = {}
     results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in commands}

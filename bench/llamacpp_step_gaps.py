@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.llamacpp_engine import (  # noqa: E402
+    CTX_PER_SLOT,
     BareDecodeLimit,
     engine_command,
     load_level,
@@ -92,7 +93,7 @@ def main() -> int:
             print(json.dumps({"repeat": k, **repeats[-1]}), flush=True)
     finally:
         stop_server(proc)
-    limit = BareDecodeLimit(model, args.threads, SLOTS, SLOTS * 1024)
+    limit = BareDecodeLimit(model, args.threads, SLOTS, SLOTS * CTX_PER_SLOT)
     try:
         limit_ms = [1000 / limit.measure(1, args.max_tokens, 8) for _ in range(args.repeats)]
     finally:
