@@ -65,4 +65,12 @@ def serve_beside(public: App, internal: App | None, **options: object) -> None:
             side.should_exit = True
             await side_task
 
-    asyncio.run(both())
+    # On uvloop where it is installed (uvicorn[standard] ships it), the loop `uvicorn.run` above picks by itself.
+    try:
+        import uvloop
+    except ImportError:
+        loop_factory = None
+    else:
+        loop_factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(both())

@@ -22,7 +22,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shared.client_gone import client_gone
-from shared.engine_asgi import EngineHeader, error_response
+from shared.engine_asgi import RAW_SEND_KEY, EngineHeader, error_response
 from shared.openai_protocol import (
     SESSION_TAG_HEADER,
     SSE_DONE,
@@ -115,6 +115,9 @@ class _SSEStream:
                 ],
             }
         )
+        # Body chunks skip the framework's per-message wrappers (they only watch the start message): one token's
+        # chunk is a few dozen bytes, and each wrapper layer costs as much as the write itself.
+        send = scope.get(RAW_SEND_KEY, send)
         try:
             async for chunk in self._chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -95,6 +95,8 @@ class LlamaBackend:
         self._logits = np.ctypeslib.as_array(self._batch.logits, shape=(config.n_batch,))
         self._seq_slots = [self._batch.seq_id[i] for i in range(config.n_batch)]
         self._pieces: dict[int, bytes] = {}
+        # End-of-generation tokens, read once: asking llama.cpp costs a foreign call on every token decoded.
+        self._eog = frozenset(t for t in range(self.n_vocab) if llama.llama_vocab_is_eog(self.vocab, t))
         self._closed = False
 
     # -- model facts -----------------------------------------------------------
@@ -156,7 +158,7 @@ class LlamaBackend:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
     def is_eog(self, token: int) -> bool:
-        return bool(llama.llama_vocab_is_eog(self.vocab, token))
+        return token in self._eog
 
     # -- decoding (decode thread only) -------------------------------------------
     def seq_rm(self, seq_id: int, from_pos: int = 0) -> None:
