@@ -161,6 +161,15 @@ def engine_command(model: Path, port: int, threads: int, slots: int, extra: list
     ]
 
 
+def llama_server_command(model: Path, port: int, threads: int, slots: int, extra: list[str]) -> list[str]:
+    """llama-server decoding `slots` sequences at once (continuous batching) with `CTX_PER_SLOT` tokens of KV each."""
+    return [
+        str(llama_server_binary()), "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
+        "--threads", str(threads), "--parallel", str(slots), "--ctx-size", str(slots * CTX_PER_SLOT), "--cont-batching",
+        "--alias", "bench", "--no-webui", *extra,
+    ]
+
+
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
@@ -336,25 +345,22 @@ def main() -> int:
     args = ap.parse_args()
     model = args.model or default_model_path()
     levels = [int(x) for x in args.concurrency.split(",")]
-    slots, n_ctx = args.slots, args.slots * CTX_PER_SLOT
+    slots = args.slots
     overload = 2 * slots
 
     backend = LlamaBackend(LlamaModelConfig(model, n_ctx=256, n_seq_max=1, threads=1))
     eog_bias = {str(t): -100.0 for t in range(backend.n_vocab) if backend.is_eog(t)}
     backend.close()
 
-    # Both continuous-batching servers decode `slots` sequences at once with `n_ctx / slots` tokens each,
+    # Both continuous-batching servers decode `slots` sequences at once with `CTX_PER_SLOT` tokens each,
     # queueing the rest: one KV stream per sequence, as our engine keeps them.
     commands: dict[str, tuple[list[str], str]] = {}
     port = free_port()
     commands[OURS] = (engine_command(model, port, args.threads, slots, args.engine_args.split()),
                       f"http://127.0.0.1:{port}")
     port = free_port()
-    commands[SERVER] = ([
-        str(llama_server_binary()), "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
-        "--threads", str(args.threads), "--parallel", str(slots), "--ctx-size", str(n_ctx), "--cont-batching",
-        "--alias", "bench", "--no-webui", *args.llama_server_args.split(),
-    ], f"http://127.0.0.1:{port}")
+    commands[SERVER] = (llama_server_command(model, port, args.threads, slots, args.llama_server_args.split()),
+                        f"http://127.0.0.1:{port}")
     problem = "skipped (--skip-stock)" if args.skip_stock else stock_available()
     if problem is not None:
         print(f"stock server not measured: {problem}", file=sys.stderr)
