@@ -115,8 +115,8 @@ class _SSEStream:
                 ],
             }
         )
-        # Body chunks skip the framework's per-message wrappers (they only watch the start message): one token's
-        # chunk is a few dozen bytes, and each wrapper layer costs as much as the write itself.
+        # A token's body chunk skips the framework's per-message wrappers, which only watch the start message
+        # (as the simulator's streams do).
         send = scope.get(RAW_SEND_KEY, send)
         try:
             async for chunk in self._chunks:
