@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from routing.plugins.ear import SessionHost
+from routing.plugins.ear import RecomputeLedger, SessionHost
 from routing.plugins.kv_aware import prefix_hit
 from routing.plugins.least_load import INFLIGHT_WEIGHT, least_inflight, least_pending_prefill
 from routing.plugins.round_robin import NextInTurn
@@ -24,7 +24,8 @@ FILTERS: dict[RouterFilter, Callable[[RouterConfig], Filter]] = {
     "has-room": lambda _: has_room,
     "session-hash": lambda _: session_hash,
     "session-host": lambda c: SessionHost(c.t_hot_tokens, c.t_cool_s, migrate=False),
-    "session-host-or-move": lambda c: SessionHost(c.t_hot_tokens, c.t_cool_s, move_kv=c.move_kv),
+    "session-host-or-move": lambda c: SessionHost(c.t_hot_tokens, c.t_cool_s, move_kv=c.move_kv,
+                                                  ledger=RecomputeLedger(c.recompute_budget)),
 }
 SCORERS: dict[RouterScorer, Callable[[], Scorer]] = {
     "least-pending-prefill": lambda: least_pending_prefill,
@@ -45,7 +46,6 @@ def preset(config: RouterConfig) -> tuple[tuple[RouterFilter, ...], tuple[Scorer
     """The filters and weighted scorers `router.plugin` names (docs/routing.md has them as a table)."""
     tie_break = ScorerConfig(name="least-inflight", weight=INFLIGHT_WEIGHT)
     least_load = (ScorerConfig(name="least-pending-prefill"), tie_break)
-    # kv-aware's scorers; EAR places a new session by them too, and affinity, its ablation, alike.
     prefix_and_load = (ScorerConfig(name="prefix-hit", weight=config.kv_weight),
                        ScorerConfig(name="least-pending-prefill", weight=config.load_weight), tie_break)
     match config.plugin:
@@ -57,10 +57,11 @@ def preset(config: RouterConfig) -> tuple[tuple[RouterFilter, ...], tuple[Scorer
             return ("has-room",), prefix_and_load
         case "sticky":
             return ("session-hash", "has-room"), ()
+        # A new session is placed by load (seed 004 §4), and affinity, EAR's ablation, alike.
         case "affinity":
-            return ("session-host", "has-room"), prefix_and_load
+            return ("session-host", "has-room"), least_load
         case "ear":
-            return ("session-host-or-move", "has-room"), prefix_and_load
+            return ("session-host-or-move", "has-room"), least_load
     raise ValueError(f"unknown router plugin {config.plugin!r}")
 
 

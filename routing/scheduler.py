@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,13 @@ Filter = Callable[[RoutingRequest, list[Endpoint]], list[Endpoint]]
 Scorer = Callable[[RoutingRequest, list[Endpoint]], list[float]]
 
 
+@runtime_checkable
+class Settles(Protocol):
+    """A filter that keeps account of the placements it took part in."""
+
+    def settle(self, choice: Choice, picked: Endpoint) -> None: ...
+
+
 def has_room(_: RoutingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
     """Instances below their capacity of this gateway's requests (admission's bound, applied by every router)."""
     return [e for e in endpoints if not e.full]
@@ -117,6 +125,8 @@ class Scheduler:
         """Where a request may go depends on its session: one that must wait does not make the next wait."""
         self.reads_cache = reads_cache
         """Its filters or scorers read `Endpoint.cached_tokens` (worked out only for routers that do)."""
+        self._settling = [f for f in self.filters if isinstance(f, Settles)]
+        """Filters told of every placement (a budget they keep)."""
         self.pulls_prefix = pulls_prefix
         """A request placed where less of its prompt is held than on another instance pulls the difference from
         it, where both move KV; a session's later turns and moves do not (its host holds, or carries, its KV)."""
@@ -142,12 +152,19 @@ class Scheduler:
         top = max(totals)
         ties = [i for i, total in enumerate(totals) if total == top]
         best = ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
+        choice = self._choice(request, endpoints, holder, candidates, scores, best, len(ties))
+        for narrow in self._settling:
+            narrow.settle(choice, candidates[best])
+        return choice
+
+    def _choice(self, request: RoutingRequest, endpoints: Sequence[Endpoint], holder: Endpoint | None,
+                candidates: list[Endpoint], scores: list[list[float]], best: int, tied: int) -> Choice:
         picked = candidates[best].instance_id
         host = request.session.host
         if not self.binds_sessions or host is None or host == picked:
             if host == picked and self.binds_sessions:
                 return Choice(picked, reason="bound", why="session bound")
-            why = self._why(candidates, scores, best, len(ties))
+            why = self._why(candidates, scores, best, tied)
             chosen = next(e for e in endpoints if e.instance_id == picked)
             if (holder is not None and chosen.moves_kv and chosen is not holder
                     and holder.cached_tokens - chosen.cached_tokens >= MIN_PULL_TOKENS):

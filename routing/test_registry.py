@@ -13,7 +13,7 @@ from shared.contracts.config import BINDING_FILTERS, RouterConfig
 
 @pytest.mark.parametrize("plugin,binds,per_session,reads_cache", [
     ("round-robin", False, False, False), ("least-load", False, False, False), ("kv-aware", False, False, True),
-    ("sticky", False, True, False), ("affinity", True, True, True), ("ear", True, True, True)])
+    ("sticky", False, True, False), ("affinity", True, True, False), ("ear", True, True, True)])
 def test_what_a_preset_does_with_sessions_follows_from_its_filters(plugin, binds, per_session, reads_cache):
     router = make_router(plugin)
     assert router.name == plugin
@@ -67,7 +67,7 @@ def test_every_choice_says_why_in_the_words_of_what_decided_it():
     assert why("least-load", endpoints(0, 9, full=[False, True])) == "the only instance with room"
     assert why("sticky", endpoints(0, 0)) == "session hash"
     assert why("round-robin", endpoints(0, 0)) == "next in turn"
-    assert why("ear", endpoints(1000, 500, cached_tokens=[2500, 0]), prompt_tokens=4000) == "2.5k tokens cached"
+    assert why("ear", endpoints(1000, 500, cached_tokens=[2500, 0]), prompt_tokens=4000) == "500 tokens of prompt pending"
     assert why("ear", endpoints(0, 0), host="i1") == "session bound"
     assert why("ear", endpoints(0, 0), host="i9") == "session's host gone, placed anew"
     hot = endpoints(0, 0, inflight=[0, 8], full=[False, True])

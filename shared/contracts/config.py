@@ -135,9 +135,9 @@ class RouterConfig(BaseModel):
     t_cool_s: float = Field(default=DEFAULT_T_COOL_S, ge=0)
     """EAR: a session that moved stays where it is for this long."""
     kv_weight: float = Field(default=2.0, ge=0)
-    """kv-aware, and affinity and ear for a new session: the weight of the expected prefix-cache hit."""
+    """kv-aware: the weight of the expected prefix-cache hit."""
     load_weight: float = Field(default=1.0, ge=0)
-    """kv-aware, and affinity and ear for a new session: the weight of the load (pending prefill tokens)."""
+    """kv-aware: the weight of the load (pending prefill tokens)."""
     session_idle_s: float = Field(default=600.0, gt=0)
     """Routers that bind sessions release one idle this long."""
     move_kv: bool = True
@@ -148,6 +148,10 @@ class RouterConfig(BaseModel):
     engines' KV ports (with `move_kv`, where both engines can) instead of computing it again: the instances share
     what any of them holds, as one pooled prefix cache (a KV connector's shared store on vLLM). The router then
     sees every instance that can pull as holding what the best holder does."""
+    recompute_budget: float | None = Field(default=0.02, ge=0, le=1)
+    """EAR: the share of the prefix-cache hits its placements expect that moves may spend recomputing sessions'
+    contexts where their KV cannot move along (vLLM): EAR keeps at least 1 - this of the hits affinity would.
+    None: moves recompute whatever they save more wait than."""
     kv_move_timeout_s: float = Field(default=10.0, gt=0)
     """EAR: a KV move that takes longer is abandoned, and the new host recomputes."""
     drain_handoff_s: float = Field(default=5.0, ge=0)

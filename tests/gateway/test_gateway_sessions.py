@@ -13,7 +13,8 @@ from helpers import eventually
 from shared.contracts.backends import EngineKind
 from shared.contracts.states import RoutingState as R
 
-EAR = {"plugin": "ear", "t_hot_tokens": 400, "t_cool_s": 30}
+EAR = {"plugin": "ear", "t_hot_tokens": 400, "t_cool_s": 30, "recompute_budget": None}
+"""Moves recompute whatever they save more wait than: these tests move sessions off hot hosts from the first turn."""
 
 
 async def turn_off_a_hot_host(client: httpx.AsyncClient, first_turn: dict, next_turn, long_words: int = 2000):

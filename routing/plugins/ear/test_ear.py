@@ -11,22 +11,30 @@ def ear():
     return make_router("ear", t_hot_tokens=T_HOT, t_cool_s=T_COOL)
 
 
+@pytest.fixture
+def unbudgeted():
+    """EAR whose moves recompute whatever they save more wait than."""
+    return make_router("ear", t_hot_tokens=T_HOT, t_cool_s=T_COOL, recompute_budget=None)
+
+
 def test_a_new_session_goes_to_the_fewest_pending_prefill_tokens(ear):
     choice = ear.choose(request(), endpoints(3000, 500, 9000))
     assert (choice.instance_id, choice.moved_from) == ("i1", None)
 
 
-def test_a_new_session_weighs_what_each_instance_holds_of_its_prompt_over_load(ear):
-    # i0 holds 1,000 of the 4,000-token prompt (a shared tool description): a quarter, weighed 2, against i1's
-    # lower load, weighed 1 over the range from the least to the most loaded.
+def test_a_new_session_goes_by_load_even_where_another_instance_holds_part_of_its_prompt(ear):
+    # i0 holds 1,000 of the 4,000-token prompt (a shared tool description) but has 500 more tokens pending: the
+    # session goes to i1, which computes the prefix once and serves it from its own cache thereafter.
     pool = endpoints(1000, 500, 3000, cached_tokens=[1000, 0, 0])
-    assert ear.choose(request(prompt_tokens=4000), pool).instance_id == "i0"  # 0.5 + 0.8 against 1.0
-    # Holding 300 (0.075 of it, weighed 0.15) does not tip it; 500 (0.25) does.
-    for held, chosen in ((300, "i1"), (500, "i0")):
-        pool = endpoints(1000, 500, 3000, cached_tokens=[held, 0, 0])
-        assert ear.choose(request(prompt_tokens=4000), pool).instance_id == chosen, held
-    least_load = make_router("least-load")  # the baseline reads load alone
-    assert least_load.choose(request(prompt_tokens=4000), endpoints(1000, 500, cached_tokens=[1000, 0])).instance_id == "i1"
+    assert ear.choose(request(prompt_tokens=4000), pool).instance_id == "i1"
+    kv_aware = make_router("kv-aware")  # the baseline that weighs the prefix 2:1 over load keeps it on i0
+    assert kv_aware.choose(request(prompt_tokens=4000), pool).instance_id == "i0"
+
+
+def earn(router, hits: int) -> None:
+    """Place one bound request whose host holds `hits` of its prompt: the expected hit a recompute budget earns on."""
+    choice = router.choose(request(session="earner", host="i0", prompt_tokens=hits), endpoints(0, cached_tokens=[hits]))
+    assert choice.reason == "bound"
 
 
 def test_later_turns_stay_on_the_host_while_it_is_not_hot_even_when_others_are_idler(ear):
@@ -41,7 +49,8 @@ def test_a_hot_host_moves_the_session_to_the_least_loaded_instance_that_can_hold
     assert (choice.instance_id, choice.moved_from, choice.reason) == ("i0", "i2", "host_hot")
 
 
-def test_a_move_that_recomputes_counts_the_context_against_the_wait_it_saves(ear):
+def test_a_move_that_recomputes_counts_the_context_against_the_wait_it_saves(unbudgeted):
+    ear = unbudgeted
     # The host holds 11k of the 12k-token prompt: 1k to compute behind 9k queued, 10k in all. An idle instance
     # would compute all 12k: more than staying. One holding 8k of it (say a shared prefix) would compute 4k, 3k
     # of them recomputed context: 7k.
@@ -51,7 +60,8 @@ def test_a_move_that_recomputes_counts_the_context_against_the_wait_it_saves(ear
     assert (ear.choose(turn, pool).instance_id, ear.choose(turn, pool).moved_from) == ("i2", "i0")
 
 
-def test_a_move_that_recomputes_must_save_more_than_the_work_it_adds(ear):
+def test_a_move_that_recomputes_must_save_more_than_the_work_it_adds(unbudgeted):
+    ear = unbudgeted
     # Staying: 20k queued + 1k new. Moving to the idle i1 recomputes 11k of context: the request waits 12k, but
     # the 11k it adds to the pool count too (23k), so it stays; behind 25k queued it moves.
     turn = request(host="i0", prompt_tokens=12_000, context_tokens=11_000)
@@ -66,6 +76,23 @@ def test_a_move_that_carries_the_kv_counts_only_the_new_tokens_and_needs_both_en
     assert ear.choose(turn, endpoints(9000, 0, cached_tokens=[11_000, 0], moves_kv=[True, False])).instance_id == "i0"
     recompute = make_router("ear", t_hot_tokens=T_HOT, t_cool_s=T_COOL, move_kv=False)
     assert recompute.choose(turn, pool).instance_id == "i0"
+
+
+def test_moves_that_recompute_spend_at_most_the_budget_of_the_hits_placements_expect():
+    # Behind 25k queued, the session would recompute its 11k of context on the idle i1 (test above). With a 2 %
+    # budget a move waits until 2 % of the hits placed so far cover the 11k: 550k of them.
+    ear = make_router("ear", t_hot_tokens=T_HOT, t_cool_s=T_COOL)
+    turn = request(host="i0", prompt_tokens=12_000, context_tokens=11_000)
+    hot = endpoints(25_000, 0, cached_tokens=[11_000, 0])
+    assert ear.choose(turn, hot).instance_id == "i0"  # nothing earned yet; staying, the turn earns its 11k of hits
+    earn(ear, 550_000 - 11_000 - 1)
+    assert ear.choose(turn, hot).instance_id == "i0"  # one hit short; staying earns 11k more
+    assert ear.choose(turn, hot).instance_id == "i1"  # the move spends 11k of the 11.2k allowed
+    assert ear.choose(turn, hot).instance_id == "i0"  # and the next waits again
+    # A move that carries the KV recomputes nothing, and spends nothing.
+    carried = endpoints(25_000, 0, cached_tokens=[11_000, 0], moves_kv=[True, True])
+    assert ear.choose(turn, carried).instance_id == "i1"
+    assert make_router("ear", t_hot_tokens=T_HOT, recompute_budget=0).choose(turn, carried).instance_id == "i1"
 
 
 def test_no_target_strictly_less_loaded_or_with_room_means_stay(ear):
@@ -99,22 +126,25 @@ def test_affinity_is_ear_without_moves():
     assert affinity.choose(request(host="i0"), endpoints(T_HOT * 10, 0)).instance_id == "i0"
     assert affinity.choose(request(host="i0"), endpoints(0, 0, full=[True, False])) is None
     assert affinity.choose(request(), endpoints(T_HOT * 10, 0)).instance_id == "i1"
-    assert affinity.choose(request(prompt_tokens=4000), endpoints(1000, 500, cached_tokens=[2500, 0])).instance_id == "i0"
 
 
 def test_with_pull_prefix_a_new_session_goes_by_load_and_pulls_the_prefix_from_its_holder():
-    # i0 holds half the prompt but has 5,500 more tokens pending than i1: kv-aware's scorers keep the session on i0;
-    # pulling, every instance that moves KV holds as much, so load decides and i1 pulls from i0.
+    # i0 holds half the prompt but has 5,500 more tokens pending than i1: EAR places by load and i1 computes the
+    # prefix again; pulling, i1 takes it from i0 instead. kv-aware's scorers keep the request on i0 unless they
+    # pull: then every instance that moves KV holds as much, so load decides for them too.
     pool = endpoints(6000, 500, 9000, cached_tokens=[2000, 0, 0], moves_kv=[True, True, True])
-    assert make_router("ear").choose(request(prompt_tokens=4000), pool).instance_id == "i0"
-    choice = make_router("ear", pull_prefix=True).choose(request(prompt_tokens=4000), pool)
-    assert (choice.instance_id, choice.prefix_from) == ("i1", "i0")
-    assert choice.why.endswith("2.0k tokens pulled")
+    assert make_router("ear").choose(request(prompt_tokens=4000), pool).prefix_from is None
+    assert make_router("kv-aware").choose(request(prompt_tokens=4000), pool).instance_id == "i0"
+    for plugin in ("ear", "kv-aware"):
+        choice = make_router(plugin, pull_prefix=True).choose(request(prompt_tokens=4000), pool)
+        assert (choice.instance_id, choice.prefix_from) == ("i1", "i0")
+        assert choice.why.endswith("2.0k tokens pulled")
     # An engine that cannot import KV does not see the holder's prefix as its own, nor pull it; one that cannot
     # export it is no source; the move_kv switch turns pulling off with moving.
     stuck = endpoints(6000, 500, 9000, cached_tokens=[2000, 0, 0], moves_kv=[True, False, True])
-    choice = make_router("ear", pull_prefix=True).choose(request(prompt_tokens=4000), stuck)
+    choice = make_router("kv-aware", pull_prefix=True).choose(request(prompt_tokens=4000), stuck)
     assert choice.instance_id == "i0" and choice.prefix_from is None
+    assert make_router("ear", pull_prefix=True).choose(request(prompt_tokens=4000), stuck).prefix_from is None
     mute = endpoints(6000, 500, 9000, cached_tokens=[2000, 0, 0], moves_kv=[False, True, True])
     assert make_router("ear", pull_prefix=True).choose(request(prompt_tokens=4000), mute).prefix_from is None
     assert make_router("ear", pull_prefix=True, move_kv=False).choose(request(prompt_tokens=4000), pool).prefix_from is None
