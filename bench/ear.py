@@ -114,10 +114,11 @@ async def run_router(router: str, args: argparse.Namespace, replay: Replayer, re
                 "--d-1", str(args.d_1)], work, cluster))
         for (url, _), process in zip(engines.values(), processes):
             await wait_ready(f"{url}/health", process)
+        custom = args.router_configs.get(router, {})
         config = AliasConfig.model_validate({
             "alias": ALIAS, "router": {"plugin": plugin, "t_hot_tokens": args.t_hot_tokens,
                                        "t_cool_s": args.t_cool_s / args.speedup, "move_kv": move_kv,
-                                       "pull_prefix": router.endswith("+pull")},
+                                       "pull_prefix": router.endswith("+pull"), **custom},
             "backends": {"vllm": {"model_name": ALIAS, "model_path": "simulated", "gpu_memory_gb": 24,
                                   "engine": "simulator", "max_model_len": args.max_model_len}}})
         await record_running(settings, [(config, engines, capacity)])
@@ -206,6 +207,10 @@ def pool_arguments(parser: argparse.ArgumentParser, routers: tuple[str, ...] = R
     parser.add_argument("--no-kv-moves", dest="kv_moves", action="store_false",
                         help="EAR's moved sessions recompute their context (as on vLLM) instead of taking their KV along")
     parser.add_argument("--kv-transfer-gb-s", type=float, default=10.0, help="the engines' modelled KV link, GB/s")
+    parser.add_argument("--router-config", action="append", default=[], metavar="NAME=JSON",
+                        help='a router of your own, run as NAME (list it in --routers): the named router\'s '
+                             'pool-file settings overridden by JSON, e.g. ear-kv=\'{"plugin": "ear", "scorers": '
+                             '[{"name": "prefix-hit", "weight": 2}, {"name": "least-pending-prefill"}]}\'')
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--plot", type=Path)
 
@@ -215,6 +220,15 @@ def ear_defaults(args: argparse.Namespace) -> None:
 
     args.t_hot_tokens = DEFAULT_T_HOT_TOKENS if args.t_hot_tokens is None else args.t_hot_tokens
     args.t_cool_s = DEFAULT_T_COOL_S if args.t_cool_s is None else args.t_cool_s
+    args.router_configs = {}
+    for given in args.router_config:
+        name, _, settings = given.partition("=")
+        try:
+            args.router_configs[name] = json.loads(settings)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--router-config {given!r}: NAME=JSON, the JSON an object ({exc})") from exc
+        if not isinstance(args.router_configs[name], dict):
+            raise SystemExit(f"--router-config {given!r}: NAME=JSON, the JSON an object")
 
 
 def main() -> None:

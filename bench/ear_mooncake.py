@@ -57,19 +57,22 @@ from ear import ALIAS, ear_defaults, in_turn, pool_arguments, run_router, say, t
 ROUTERS = ("round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear-recompute", "ear")
 
 
-def capacity_bound(requests: Sequence[MooncakeRequest], capacity_tokens: int, block: int = BLOCK_TOKENS) -> tuple[int, int]:
+def capacity_bound(requests: Sequence[MooncakeRequest], capacity_tokens: int, block: int = BLOCK_TOKENS,
+                   warm: int = 0) -> tuple[int, int]:
     """(reusable, total) input tokens for one pooled LRU cache of `capacity_tokens` that sees every request's
-    blocks in arrival order: a request reuses its leading blocks still cached."""
+    blocks in arrival order: a request reuses its leading blocks still cached. The first `warm` requests fill the
+    cache and are not counted."""
     cache: OrderedDict[int, int] = OrderedDict()
     held = reusable = total = 0
-    for request in requests:
-        total += request.input_length
+    for n, request in enumerate(requests):
+        counted = n >= warm
+        total += request.input_length if counted else 0
         leading = True
         for index, block_id in enumerate(request.hash_ids):
             tokens = request.block_tokens(index, block)
             if block_id in cache:
                 cache.move_to_end(block_id)
-                if leading:
+                if leading and counted:
                     reusable += tokens
                 continue
             leading = False
@@ -81,11 +84,11 @@ def capacity_bound(requests: Sequence[MooncakeRequest], capacity_tokens: int, bl
     return reusable, total
 
 
-def mooncake_replay(requests: list[MooncakeRequest], sessions: list[str], args: argparse.Namespace):
+def mooncake_replay(requests: list[MooncakeRequest], sessions: list[str], warm: int, args: argparse.Namespace):
     async def replay(url: str, client: aiohttp.ClientSession, progress: Callable[[int], None]):
         run = MooncakeReplay(url, ALIAS, client, speedup=args.speedup, open_loop=True, progress=progress)
         wall = await run.run_mooncake(requests, sessions, BLOCK_TOKENS, args.max_tokens)
-        return summarise_mooncake(run.served, requests, sessions, wall, args.speedup), run.served
+        return summarise_mooncake(run.served, requests, sessions, wall, args.speedup, warm), run.served
     return replay
 
 
@@ -98,7 +101,10 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="mooncake-conversation")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--start", type=float, default=600.0, help="seconds into the trace to start at")
-    parser.add_argument("--duration", type=float, default=300.0, help="seconds of the trace to replay")
+    parser.add_argument("--duration", type=float, default=300.0, help="seconds of the trace scored")
+    parser.add_argument("--warmup-s", type=float, default=60.0,
+                        help="seconds of the trace before --start replayed first and not scored: every router is "
+                             "judged on a pool in steady state, its caches and queues filled (0: from cold)")
     parser.add_argument("--capacity", type=int, default=32, help="requests each engine takes at once")
     parser.add_argument("--max-tokens", type=int, default=None, help="cap on each request's output_length")
     parser.add_argument("--repeats", type=int, default=1)
@@ -106,22 +112,28 @@ def main() -> None:
     ear_defaults(args)
     whole = read_mooncake(args.trace) if args.trace else generate_mooncake(SHAPES[args.shape], args.seed)
     named = dict(zip(map(id, whole), conversations(whole)))
+    warm_from = max(0.0, args.start - args.warmup_s)
+
+    def fitting(requests: list[MooncakeRequest]) -> list[MooncakeRequest]:
+        return [r for r in requests if r.input_length + (args.max_tokens or r.output_length) < args.max_model_len]
+
     sliced = select(whole, args.start, args.duration)
-    fits = [r for r in sliced if r.input_length + (args.max_tokens or r.output_length) < args.max_model_len]
-    requests, sessions = fits, [named[id(r)] for r in fits]
-    infinite = reuse_bound(requests)
-    capacity = capacity_bound(requests, args.engines * args.kv_cache_tokens)
+    warm, scored = fitting(select(whole, warm_from, args.start - warm_from)), fitting(sliced)
+    requests, sessions = warm + scored, [named[id(r)] for r in warm + scored]
+    infinite = reuse_bound(scored, warm=warm)
+    capacity = capacity_bound(requests, args.engines * args.kv_cache_tokens, warm=len(warm))
     apc_infinite, apc_capacity = infinite[0] / infinite[1], capacity[0] / capacity[1]
-    say(f"trace: {len(requests)} requests ({len(sliced) - len(fits)} too long left out) in "
-        f"{len(set(sessions))} conversations over {args.duration:g} s; reuse bound {apc_infinite:.3f} "
-        f"(infinite), {apc_capacity:.3f} (pooled LRU of {args.engines} x {args.kv_cache_tokens} tokens)")
+    say(f"trace: {len(scored)} requests scored ({len(sliced) - len(scored)} too long left out) in "
+        f"{len(set(sessions[len(warm):]))} conversations over {args.duration:g} s, after {len(warm)} of a "
+        f"{args.start - warm_from:g} s warm-up; reuse bound {apc_infinite:.3f} (infinite), {apc_capacity:.3f} "
+        f"(pooled LRU of {args.engines} x {args.kv_cache_tokens} tokens)")
     runs: dict[str, list[dict]] = {router: [] for router in args.routers.split(",")}
     with tempfile.TemporaryDirectory(prefix="bench-ear-mooncake-") as tmp:
         for repeat in range(args.repeats):
             for router in in_turn(list(runs), repeat):
                 say(f"repeat {repeat + 1}, {router}: {args.engines} engines, gateway, replay at {args.speedup:g}x")
-                r = asyncio.run(run_router(router, args, mooncake_replay(requests, sessions, args), len(requests),
-                                           Path(tmp), capacity=args.capacity))
+                r = asyncio.run(run_router(router, args, mooncake_replay(requests, sessions, len(warm), args),
+                                           len(requests), Path(tmp), capacity=args.capacity))
                 r.pop("served")
                 runs[router].append(r)
                 say(f"{router}: TTFT p90 {r['ttft_s']['p90']} s, worst instance p90 {r['instance_ttft_p90_s']['max']} "
@@ -132,8 +144,9 @@ def main() -> None:
     print(json.dumps({
         "engine": "simulated-vllm", "trace_format": "mooncake",
         "trace": str(args.trace) if args.trace else f"generated {args.shape} seed {args.seed}",
-        "trace_statistics": trace_statistics(requests), "start_s": args.start, "duration_s": args.duration,
-        "requests": len(requests), "left_out_too_long": len(sliced) - len(fits), "speedup": args.speedup,
+        "trace_statistics": trace_statistics(scored), "start_s": args.start, "duration_s": args.duration,
+        "warmup_s": args.start - warm_from, "warm_up_requests": len(warm),
+        "requests": len(scored), "left_out_too_long": len(sliced) - len(scored), "speedup": args.speedup,
         "engines": args.engines, "capacity": args.capacity, "kv_cache_tokens": args.kv_cache_tokens,
         "t_hot_tokens": args.t_hot_tokens, "repeats": args.repeats, "apc_bound_infinite": round(apc_infinite, 4),
         "apc_bound_capacity": round(apc_capacity, 4),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ear import run_router, say  # noqa: E402
+from ear import agentic_replay, run_router, say  # noqa: E402
 
 from shared.contracts.config import DEFAULT_T_COOL_S, DEFAULT_T_HOT_TOKENS  # noqa: E402
 from simulation.agentic import AgenticShape, generate_agentic  # noqa: E402
@@ -52,7 +52,7 @@ def points() -> list[tuple[str, float, tuple[str, ...]]]:
 def base_args(**overrides: float) -> argparse.Namespace:
     return argparse.Namespace(engines=8, speedup=4.0, span_s=120.0, new_input_tokens=AgenticShape.new_input_tokens,
                               seed=1, d_1=0.0004, max_model_len=65_536, timeout_s=900.0, kv_moves=True,
-                              kv_transfer_gb_s=10.0, **{**DEFAULTS, **overrides})
+                              kv_transfer_gb_s=10.0, router_configs={}, **{**DEFAULTS, **overrides})
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -104,7 +104,8 @@ def main() -> None:
             run_args.t_hot_tokens = int(run_args.t_hot_tokens)
             for router in routers:
                 say(f"sweep point {i}/{len(todo)}: {name}={value:g} {router}")
-                r = asyncio.run(run_router(router, run_args, trace, Path(tmp)))
+                r = asyncio.run(run_router(router, run_args, agentic_replay(trace, run_args.speedup), len(trace),
+                                           Path(tmp)))
                 row = {"parameter": name, "value": value, "router": router, "requests": len(trace),
                        "ttft_p90_s": r["ttft_s"]["p90"], "worst_instance_ttft_p90_s": r["instance_ttft_p90_s"]["max"],
                        "apc": r["apc"], "apc_upper_bound": r["apc_upper_bound_intra_session"],

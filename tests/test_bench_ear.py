@@ -45,6 +45,15 @@ def test_a_small_cache_evicts_the_least_recently_used_and_reuses_only_leading_bl
     assert bench.capacity_bound([req(0, 1, 2, 3), req(1, 1, 2, 3)], 3 * 512) == (3 * 512, 6 * 512)
 
 
+def test_a_warm_up_fills_the_oracles_cache_and_is_not_counted():
+    trace = [req(0, 1, 2, 3), req(1, 4, 5, 6), req(2, 1, 2)]
+    # The first two warm it up: [1,2] reuses both blocks, and only its own tokens count.
+    assert bench.capacity_bound(trace, 10**9, warm=2) == (2 * 512, 2 * 512)
+    assert bench.capacity_bound(trace, 10**9, warm=2) == reuse_bound(trace[2:], warm=trace[:2])
+    # With room for 3 blocks the warm-up's last request evicted [1,2,3]: nothing left to reuse.
+    assert bench.capacity_bound(trace, 3 * 512, warm=2) == (0, 2 * 512)
+
+
 def test_every_router_takes_every_place_in_the_order_over_as_many_repeats():
     routers = ["a", "b", "c"]
     orders = [bench.in_turn(routers, repeat) for repeat in range(3)]

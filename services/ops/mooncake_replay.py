@@ -77,18 +77,26 @@ class MooncakeReplay(Replay):
 
 
 def summarise_mooncake(served: list[ReplayedRequest], requests: Sequence[MooncakeRequest], sessions: Sequence[str],
-                       wall_s: float, speedup: float = 1.0) -> dict:
-    """The agentic replay's summary, with the Mooncake trace's own reuse bound and span."""
+                       wall_s: float, speedup: float = 1.0, warm: int = 0) -> dict:
+    """The agentic replay's summary, with the Mooncake trace's own reuse bound and span. The first `warm` requests
+    were a warm-up: they filled the caches (and the bound's) and are left out of every figure."""
+    keys, turns = [], Counter()
+    for session in sessions:
+        keys.append((session, turns[session]))
+        turns[session] += 1
+    scored_keys = set(keys[warm:])
+    scored, scored_sessions = requests[warm:], sessions[warm:]
     as_trace = [TraceRequest(session_id=s, turn=0, delay_s=0.0, new_input_tokens=r.input_length,
-                             output_tokens=max(1, r.output_length)) for r, s in zip(requests, sessions)]
-    summary = summarise(served, as_trace, wall_s, speedup)
-    reusable, total = reuse_bound(requests)
-    span_s = (requests[-1].timestamp - requests[0].timestamp) / 1000 if requests else 0.0
+                             output_tokens=max(1, r.output_length)) for r, s in zip(scored, scored_sessions)]
+    summary = summarise([s for s in served if (s.session_id, s.turn) in scored_keys], as_trace, wall_s, speedup)
+    reusable, total = reuse_bound(scored, warm=requests[:warm])
+    span_s = (scored[-1].timestamp - scored[0].timestamp) / 1000 if scored else 0.0
+    replayed_s = (requests[-1].timestamp - requests[0].timestamp) / 1000 if requests else 0.0  # the warm-up's too
     summary.update({
-        "trace_format": "mooncake", "conversations": len(set(sessions)),
+        "trace_format": "mooncake", "conversations": len(set(scored_sessions)), "warm_up_requests": warm,
         "apc_bound_infinite": round(reusable / total, 4) if total else None,
         "apc_upper_bound_intra_session": None, "apc_upper_bound_any_session": None,
         "trace_span_s": round(span_s, 3),
-        "amplification": round(wall_s * speedup / span_s, 3) if span_s else None,
+        "amplification": round(wall_s * speedup / replayed_s, 3) if replayed_s else None,
     })
     return summary

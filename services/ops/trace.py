@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     mooncake = run.add_argument_group("Mooncake traces (replayed open loop at their timestamps)")
     mooncake.add_argument("--start", type=float, default=0.0, help="seconds into the trace to start at")
     mooncake.add_argument("--duration", type=float, help="seconds of the trace to replay (default: all)")
+    mooncake.add_argument("--warmup-s", type=float, default=0.0,
+                          help="replay this much of the trace before --start first, left out of the figures: "
+                               "caches and queues as a pool in steady state has them")
     mooncake.add_argument("--max-tokens", type=int, help="cap on each request's output_length")
     mooncake.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS,
                           help="words per 512-token block of the prompts built (smaller keeps a small model's context)")
@@ -98,16 +101,21 @@ async def replay(args: argparse.Namespace) -> tuple[dict, list[ReplayedRequest]]
         if mooncake:
             whole = read_mooncake(args.trace)
             sessions_of = dict(zip(map(id, whole), conversations(whole)))  # inferred over the whole trace
-            requests = select(whole, args.start, args.duration)
-            if not requests:
+            scored = select(whole, args.start, args.duration)
+            if not scored:
                 raise ConfigError("--start", f"no request of the trace arrives in the {args.duration or 'rest'} "
                                              f"seconds from {args.start:g} s", str(args.trace))
+            if args.warmup_s < 0:
+                raise ConfigError("--warmup-s", f"must be 0 or more, not {args.warmup_s:g}", str(args.trace))
+            warm_from = max(0.0, args.start - args.warmup_s)
+            warm = select(whole, warm_from, args.start - warm_from)
+            requests = warm + scored
             sessions = [sessions_of[id(r)] for r in requests]
             run = MooncakeReplay(args.url.rstrip("/"), args.model, client, speedup=args.speedup, open_loop=True,
                                  progress=progress(len(requests)))
             wall = await run.run_mooncake(requests, sessions, args.block_tokens, args.max_tokens)
             print(file=sys.stderr)
-            return summarise_mooncake(run.served, requests, sessions, wall, args.speedup), run.served
+            return summarise_mooncake(run.served, requests, sessions, wall, args.speedup, len(warm)), run.served
         trace = read_trace(args.trace)
         run = Replay(args.url.rstrip("/"), args.model, client, speedup=args.speedup, open_loop=args.open_loop,
                      progress=progress(len(trace)))

@@ -108,10 +108,12 @@ def write_mooncake(requests: Iterable[MooncakeRequest], path: Path) -> int:
     return count
 
 
-def reuse_bound(requests: Iterable[MooncakeRequest], block: int = BLOCK_TOKENS) -> tuple[int, int]:
+def reuse_bound(requests: Iterable[MooncakeRequest], block: int = BLOCK_TOKENS,
+                warm: Iterable[MooncakeRequest] = ()) -> tuple[int, int]:
     """(reusable, total) input tokens: what an infinite prefix cache seeing every request could have reused —
-    each request's leading blocks that an earlier request already held (an id names its whole prefix)."""
-    seen: set[int] = set()
+    each request's leading blocks that an earlier request already held (an id names its whole prefix). The `warm`
+    requests came before (a warm-up): the cache saw their blocks, and they are not counted."""
+    seen: set[int] = {block_id for request in warm for block_id in request.hash_ids}
     reusable = total = 0
     for request in requests:
         total += request.input_length

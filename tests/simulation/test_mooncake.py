@@ -58,6 +58,9 @@ def test_the_reuse_bound_counts_leading_blocks_seen_before_and_stops_at_the_firs
     reusable, total = reuse_bound(trace)
     # The second reuses blocks 0 and 1; the third block 0 only: its block 2 comes after a block never seen.
     assert (reusable, total) == (1024 + 512, 1300 + 1100 + 1536)
+    # After a warm-up that saw blocks 0 and 5 (and is not counted), the first reuses block 0, the third 0 and 5.
+    warm = [request(0, [0, 5], 1024)]
+    assert reuse_bound(trace, warm=warm) == (512 + 1024 + 512 + 1024, 1300 + 1100 + 1536)
 
 
 def test_prompts_share_exactly_what_their_ids_say_and_conversations_are_told_by_private_blocks():
@@ -126,15 +129,18 @@ def test_modelpool_trace_run_replays_a_mooncake_trace_open_loop_with_its_reuse(t
         wait_healthy([engine])
         done = subprocess.run(
             [sys.executable, "-m", "services.cli", "trace", "run", str(trace), "--url", engine.url, "--model", "mc",
-             "--start", "30", "--duration", "60", "--speedup", "20", "--max-tokens", "8", "--block-tokens", "32"],
+             "--start", "30", "--duration", "60", "--warmup-s", "15", "--speedup", "20", "--max-tokens", "8",
+             "--block-tokens", "32"],
             capture_output=True, text=True, timeout=300)
     finally:
         engine.stop()
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.splitlines()[-1])
-    sent = select(read_mooncake(trace), 30, 60)
+    sent, warm = select(read_mooncake(trace), 30, 60), select(read_mooncake(trace), 15, 15)
+    # The warm-up's requests were sent first and are in no figure; the bound's cache saw their blocks.
     assert summary["trace_format"] == "mooncake" and summary["answered"] == summary["requests"] == len(sent)
-    reusable, total = reuse_bound(sent)
+    assert summary["warm_up_requests"] == len(warm) > 0
+    reusable, total = reuse_bound(sent, warm=warm)
     assert summary["apc_bound_infinite"] == round(reusable / total, 4) > 0.1
     assert 0 < summary["apc"] <= 1 and summary["conversations"] < len(sent)
     assert 55 <= summary["trace_span_s"] <= 60 and summary["amplification"] < 1.5  # on the trace's clock
