@@ -52,7 +52,7 @@ from services.ops.mooncake_replay import MooncakeReplay, select, summarise_moonc
 from shared.contracts.mooncake import BLOCK_TOKENS, MooncakeRequest, conversations, read_mooncake, reuse_bound  # noqa: E402
 from simulation.mooncake import SHAPES, generate_mooncake, statistics as trace_statistics  # noqa: E402
 
-from ear import ALIAS, ear_defaults, in_turn, pool_arguments, run_router, say, table_row  # noqa: E402
+from ear import ALIAS, ear_defaults, in_turn, pool_arguments, run_router, say, spread, table_row  # noqa: E402
 
 ROUTERS = ("round-robin", "least-load", "kv-aware", "sticky", "affinity", "ear-recompute", "ear")
 
@@ -139,7 +139,11 @@ def main() -> None:
                 say(f"{router}: TTFT p90 {r['ttft_s']['p90']} s, worst instance p90 {r['instance_ttft_p90_s']['max']} "
                     f"s, APC {r['apc']}, {r['failed']} failed, {r['migrations']} migrations ({r['kv_moves']} with "
                     f"their KV), engines {r['engine_drift']:.0%} behind their model")
-    table = {router: table_row(rs) for router, rs in runs.items()}
+    def of_bound(apc: float | None) -> float | None:
+        return round(apc / apc_capacity, 4) if apc is not None and apc_capacity else None
+
+    table = {router: {**table_row(rs), "apc_of_capacity_bound": spread([of_bound(r["apc"]) for r in rs])}
+             for router, rs in runs.items()}
     apc = {mode: table[mode]["apc"]["median"] if mode in table else None for mode in ("ear-recompute", "ear")}
     print(json.dumps({
         "engine": "simulated-vllm", "trace_format": "mooncake",
