@@ -22,7 +22,12 @@ engines' total KV capacity that sees every block: what any router could reach
 with that much memory). Requests longer than `--max-model-len` allows are left
 out of the slice (counted).
 
-    .venv/bin/python bench/ear_mooncake.py --duration 150 --repeats 3
+Each run first replays the `--warmup-s` (60) seconds of the trace before the
+slice, left out of every figure and filling the bounds' caches too: routers
+are judged on a pool in steady state, as one under sustained load is, not on
+empty engines (`--warmup-s 0` measures from cold).
+
+    .venv/bin/python bench/ear_mooncake.py --speedup 1 --duration 150 --repeats 3
 
 Progress goes to stderr; the last line on stdout is the JSON summary: per
 router, TTFT p50/p90/p99, APC, worst-instance TTFT p90, errors, and how far the
