@@ -92,3 +92,29 @@ def test_penalties_and_sampled_decoding_keep_llama_cpp_s_chain(backend8) -> None
             assert sampler.chain is not None
         finally:
             sampler.free()
+
+
+def test_a_step_s_logits_rows_are_those_of_its_outputs_in_batch_order(backend8) -> None:  # type: ignore[no-untyped-def]
+    """`output_logits` (one read per step) gives the rows `llama_get_logits_ith` gives per batch index, also when a
+    batch mixes prompt chunks without logits, decode tokens and sequences out of id order, and a second step with
+    another number of outputs gets its own rows."""
+    prompts = {seq: backend8.tokenize(f"Count from {seq} to {seq + 5}:") for seq in (0, 3, 5)}
+    for seq in prompts:
+        backend8.seq_rm(seq, 0)
+    first = [SeqWork(seq, seq, tokens, 0, seq != 3, "prefill") for seq, tokens in prompts.items()]
+    out = backend8.decode(first)
+    assert out.count(-1) == 1
+    rows = backend8.output_logits(2)
+    assert [np.array_equal(row, backend8.logits(i)) for row, i in zip(rows, (i for i in out if i >= 0))] == [True, True]
+    # The next step: decode tokens on sequences 5 and 0 (in that order), sequence 3 still without logits.
+    second = [
+        SeqWork(5, 5, [int(rows[1].argmax())], len(prompts[5]), True, "decode"),
+        SeqWork(3, 3, [1], len(prompts[3]), False, "prefill"),
+        SeqWork(0, 0, [int(rows[0].argmax())], len(prompts[0]), True, "decode"),
+    ]
+    out = backend8.decode(second)
+    rows = backend8.output_logits(2)
+    assert np.array_equal(rows[0], backend8.logits(out[0])) and np.array_equal(rows[1], backend8.logits(out[2]))
+    assert not np.array_equal(rows[0], rows[1])
+    for seq in prompts:
+        backend8.seq_rm(seq, 0)

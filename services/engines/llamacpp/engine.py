@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .burst_wait import BurstWait
 from .kv_cache import MIB, KVCacheManager, KVLimits
@@ -45,9 +45,8 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """Batch composition of one llama_decode call."""
+class StepRecord(NamedTuple):
+    """Batch composition of one llama_decode call (a named tuple: one is made per step, on the decode thread)."""
 
     step_id: int
     started_at: float
@@ -396,9 +395,13 @@ class LlamaEngine:
             out_index = backend.decode(plan.work)
             t1 = self.clock()
             sampled: list[tuple[int, int]] = []
-            for item, idx in zip(plan.work, out_index):
-                if idx >= 0:
-                    sampled.append((item.request_id, self._generations[item.request_id].sampler.sample(idx)))
+            n_outputs = len(out_index) - out_index.count(-1)
+            if n_outputs:
+                rows = iter(backend.output_logits(n_outputs))
+                for item, idx in zip(plan.work, out_index):
+                    if idx >= 0:
+                        sampler = self._generations[item.request_id].sampler
+                        sampled.append((item.request_id, sampler.sample(idx, next(rows))))
         except DecodeError as exc:
             log.error("decode step %d failed: %s", plan.step_id, exc)
             with self._lock:

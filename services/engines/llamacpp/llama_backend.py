@@ -47,6 +47,13 @@ def _init_llama_backend() -> None:
             _backend_initialised = True
 
 
+_logits_address = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
+    ctypes.cast(llama.llama_get_logits, ctypes.c_void_p).value
+)
+"""`llama_get_logits` returning the buffer's address, and keeping the GIL: the call only puts the rows in batch order
+(microseconds), and a GIL dropped mid-step lets the HTTP edge's thread in until it is done."""
+
+
 class DecodeError(RuntimeError):
     pass
 
@@ -95,6 +102,8 @@ class LlamaBackend:
         self._logits = np.ctypeslib.as_array(self._batch.logits, shape=(config.n_batch,))
         self._seq_slots = [self._batch.seq_id[i] for i in range(config.n_batch)]
         self._pieces: dict[int, bytes] = {}
+        self._output_views: dict[tuple[int, int], np.ndarray] = {}
+        """Views of llama.cpp's logits buffer by (address, rows): made once, not on every step."""
         # End-of-generation tokens, read once: asking llama.cpp costs a foreign call on every token decoded.
         self._eog = frozenset(t for t in range(self.n_vocab) if llama.llama_vocab_is_eog(self.vocab, t))
         self._closed = False
@@ -212,13 +221,20 @@ class LlamaBackend:
             k = len(item.tokens)
             if n + k > self.config.n_batch:
                 raise DecodeError(f"batch of {n + k} tokens exceeds n_batch {self.config.n_batch}")
-            self._tok[n : n + k] = item.tokens
-            self._pos[n : n + k] = np.arange(item.pos0, item.pos0 + k, dtype=np.int32)
-            self._nseq[n : n + k] = 1
-            self._logits[n : n + k] = 0
             slots = self._seq_slots
-            for i in range(n, n + k):
-                slots[i][0] = item.seq_id
+            if k == 1:  # a decode token: element writes cost a fraction of slice writes
+                self._tok[n] = item.tokens[0]
+                self._pos[n] = item.pos0
+                self._nseq[n] = 1
+                self._logits[n] = 0
+                slots[n][0] = item.seq_id
+            else:
+                self._tok[n : n + k] = item.tokens
+                self._pos[n : n + k] = np.arange(item.pos0, item.pos0 + k, dtype=np.int32)
+                self._nseq[n : n + k] = 1
+                self._logits[n : n + k] = 0
+                for i in range(n, n + k):
+                    slots[i][0] = item.seq_id
             if item.wants_logits:
                 self._logits[n + k - 1] = 1
                 out_index.append(n + k - 1)
@@ -235,6 +251,23 @@ class LlamaBackend:
         """The logits row of one batch position of the last decode, where llama.cpp keeps it (valid until the next
         decode; not to be written)."""
         return np.ctypeslib.as_array(llama.llama_get_logits_ith(self.ctx, batch_index), shape=(self.n_vocab,))
+
+    def output_logits(self, n_outputs: int) -> np.ndarray:
+        """The last decode's logits, one row per token that asked for them, in batch order (llama.h's contract for
+        `llama_get_logits`), where llama.cpp keeps them (valid until the next decode; not to be written).
+
+        One foreign call per step; the numpy view over the buffer is made once per address and row count, since
+        making one costs more than the argmax over a row."""
+        address = _logits_address(self.ctx)
+        if not address:
+            raise DecodeError("llama.cpp holds no logits: the last decode produced none")
+        view = self._output_views.get((address, n_outputs))
+        if view is None:
+            if len(self._output_views) >= 4 * self.config.n_seq_max:  # the buffer moved more than once
+                self._output_views.clear()
+            base = ctypes.cast(address, ctypes.POINTER(ctypes.c_float))
+            view = self._output_views[address, n_outputs] = np.ctypeslib.as_array(base, shape=(n_outputs, self.n_vocab))
+        return view
 
     def logits(self, batch_index: int) -> np.ndarray:
         """A copy of the logits row of one batch position of the last decode."""
@@ -270,6 +303,8 @@ class Sampler:
         self._bias: tuple[np.ndarray, np.ndarray] | None = None
         """Greedy path: the biased token ids, ascending, and their summed biases."""
         self._biased: frozenset[int] = frozenset()
+        self._only_lowers = False
+        """Every bias is <= 0 (a ban, the common use): an unbiased maximum outside the biased tokens stands."""
         penalised = bool(params.presence_penalty or params.frequency_penalty)
         if params.greedy and not penalised:
             if params.logit_bias:
@@ -279,6 +314,7 @@ class Sampler:
                 tokens = sorted(merged)
                 self._bias = (np.array(tokens, dtype=np.intp), np.array([merged[t] for t in tokens], dtype=np.float32))
                 self._biased = frozenset(tokens)
+                self._only_lowers = all(merged[t] <= 0 for t in tokens)
             return
         self.chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         if params.logit_bias:
@@ -309,12 +345,16 @@ class Sampler:
         seed = params.seed if params.seed is not None else llama.LLAMA_DEFAULT_SEED
         llama.llama_sampler_chain_add(self.chain, llama.llama_sampler_init_dist(seed & 0xFFFFFFFF))
 
-    def sample(self, batch_index: int) -> int:
+    def sample(self, batch_index: int, row: np.ndarray | None = None) -> int:
+        """The token for batch position `batch_index` of the last decode; `row`, when given, is its logits row
+        (from `LlamaBackend.output_logits`), spared a lookup."""
         if self.chain is not None:
             return int(llama.llama_sampler_sample(self.chain, self._backend.ctx, batch_index))
-        row = self._backend.logits_in_place(batch_index)
+        if row is None:
+            row = self._backend.logits_in_place(batch_index)
         best = int(row.argmax())
-        if self._bias is None:
+        if self._bias is None or (self._only_lowers and best not in self._biased):
+            # A lowered token scores at most its own logit, at most the maximum; a tie keeps the lower id, `best`.
             return best
         tokens, values = self._bias
         if best in self._biased:

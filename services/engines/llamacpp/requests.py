@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class RequestState(enum.StrEnum):
@@ -51,9 +52,9 @@ class SamplingParams:
         return self.temperature <= 0.0 or self.top_k == 1
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    """New text of a request (may be empty while a stop sequence is still undecided)."""
+class TokenEvent(NamedTuple):
+    """New text of a request (may be empty while a stop sequence is still undecided); a named tuple, made once per
+    token on the decode thread."""
 
     text: str
     n_generated: int

@@ -13,6 +13,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .kv_cache import KVCacheManager, KVEntry
 from .prompt_cache import HostPromptCache
@@ -82,9 +83,9 @@ def effective_max_tokens(
     return requested
 
 
-@dataclass(frozen=True)
-class SeqWork:
-    """The tokens one sequence contributes to a decode step."""
+class SeqWork(NamedTuple):
+    """The tokens one sequence contributes to a decode step (a named tuple: one is made per sequence per step, on
+    the decode thread, and a tuple is made in a third of a frozen dataclass's time)."""
 
     request_id: int
     seq_id: int
@@ -222,10 +223,14 @@ class BatchScheduler:
         plan = StepPlan(step_id=self._step_id, kv_ops=self._kv_ops)
         self._kv_ops = []
         budget = self.limits.batch_tokens
-        processing = [t for t in self.running.values() if t.state == RequestState.PROCESSING]
+        prefilling: list[Tracked] = []
         # Decode tokens first: one per generating sequence keeps every stream moving.
-        for tracked in processing:
-            if tracked.prefill_done and tracked.generated and budget > 0:
+        for tracked in self.running.values():
+            if tracked.state != RequestState.PROCESSING:
+                continue
+            if not tracked.prefill_done:
+                prefilling.append(tracked)
+            elif tracked.generated and budget > 0:
                 entry = self.kv.get(tracked.request_id)
                 assert entry is not None and tracked.seq_id is not None
                 plan.work.append(
@@ -233,11 +238,9 @@ class BatchScheduler:
                 )
                 budget -= 1
         # New prompts join the same batch, chunked within what is left of the token budget.
-        for tracked in processing:
+        for tracked in prefilling:
             if budget <= 0:
                 break
-            if tracked.prefill_done:
-                continue
             prompt = tracked.request.prompt_tokens
             chunk = prompt[tracked.n_prefilled : tracked.n_prefilled + budget]
             completes = tracked.n_prefilled + len(chunk) == len(prompt)
