@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP edge of the llama.cpp engine (Starlette; SSE written by hand).
+"""The OpenAI-compatible HTTP edge of the llama.cpp engine (Starlette; SSE written by hand, a stream's later token
+chunks by the decode thread itself: `token_wire`).
 
 Every response carries `x-modelpool-engine: llama.cpp`, and `/v1/models` says
 the same, so the pool can never mistake this engine for the simulated one.
@@ -57,6 +58,7 @@ from .engine import LlamaEngine
 from .model_files import DEFAULT_MODEL_ALIAS
 from .requests import EngineEvent, FinishEvent, RequestState, SamplingParams, TokenEvent
 from .scheduler import LengthLimitExceeded, QueueFull, effective_max_tokens
+from .token_wire import EventRelay, plain_chunked_transport
 
 log = logging.getLogger(__name__)
 
@@ -75,20 +77,32 @@ def _one_choice(body: ChatCompletionRequest | CompletionRequest) -> None:
 class _Answer:
     """An admitted request's engine events as they come, until it finishes or its client leaves."""
 
-    def __init__(self, engine: Any, request_id: int, queue: asyncio.Queue[EngineEvent | None], receive: Receive) -> None:
-        self.engine, self.request_id, self.queue = engine, request_id, queue
+    def __init__(self, engine: Any, request_id: int, relay: EventRelay, queue: asyncio.Queue[EngineEvent | None],
+                 receive: Receive) -> None:
+        self.engine, self.request_id, self.relay, self.queue = engine, request_id, relay, queue
         self.disconnected = asyncio.ensure_future(client_gone(receive))
         # The client's departure joins the engine's events: one plain `get` per token, no race set up each time.
         self.disconnected.add_done_callback(lambda _: queue.put_nowait(None))
         self.finished = False
         """The engine is done with the request (nothing to cancel)."""
+        self.transport: asyncio.Transport | None = None
+        """The client's socket, where the server lets the decode thread write token chunks (`token_wire`)."""
 
     async def next(self) -> EngineEvent | None:
         """The next engine event, or None when the client went away first."""
-        return await self.queue.get()
+        event = await self.queue.get()
+        if event is not None:
+            self.relay.taken()
+        return event
+
+    def go_direct(self, chunk_before: bytes, chunk_after: bytes) -> None:
+        """Hand the token chunks to the decode thread's direct writes, where the server and the stream allow."""
+        if self.transport is not None:
+            self.relay.go_direct(self.transport, chunk_before, chunk_after)
 
     def close(self) -> None:
-        """Stop watching the client; cancel the request in the engine unless it finished."""
+        """Stop watching the client and writing to it; cancel the request in the engine unless it finished."""
+        self.relay.close()
         self.disconnected.cancel()
         if not self.finished:
             self.engine.cancel(self.request_id)
@@ -97,10 +111,9 @@ class _Answer:
 class _SSEStream:
     """A hand-written SSE response that cancels the engine request when the client leaves."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None], request_id: int) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], answer: _Answer) -> None:
         self._chunks = chunks
-        self._on_close = on_close
-        self._request_id = request_id
+        self._answer = answer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -111,21 +124,22 @@ class _SSEStream:
                     (b"content-type", b"text/event-stream; charset=utf-8"),
                     (b"cache-control", b"no-cache"),
                     (b"x-accel-buffering", b"no"),
-                    (REQUEST_ID_HEADER.encode(), str(self._request_id).encode()),
+                    (REQUEST_ID_HEADER.encode(), str(self._answer.request_id).encode()),
                 ],
             }
         )
         # A token's body chunk skips the framework's per-message wrappers, which only watch the start message
         # (as the simulator's streams do).
         send = scope.get(RAW_SEND_KEY, send)
+        self._answer.transport = plain_chunked_transport(send, scope)
         try:
             async for chunk in self._chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
-            pass  # the client is gone; on_close cancels the request
+            pass  # the client is gone; closing the answer cancels the request
         finally:
-            self._on_close()
+            self._answer.close()
 
 
 class EngineAPI:
@@ -269,10 +283,10 @@ class EngineAPI:
         """Admit the request, wait for its first event (so a request that fails before it gets its status), then
         answer it streamed or whole."""
         try:
-            body, prompt, request_id, queue = await self._admit(request, model, build_prompt, chat=chat)
+            body, prompt, request_id, relay, queue = await self._admit(request, model, build_prompt, chat=chat)
         except APIError as err:
             return error_response(err)
-        answer = _Answer(self.engine, request_id, queue, request.receive)
+        answer = _Answer(self.engine, request_id, relay, queue, request.receive)
         first = await answer.next()
         if first is None:
             answer.close()
@@ -283,13 +297,13 @@ class EngineAPI:
             return error_response(self._finish_error(first))
         response_id, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
         if body.stream:
-            return _SSEStream(self._chunks(answer, first, body, response_id, created, chat=chat), answer.close,
-                              request_id)  # type: ignore[return-value]
+            return _SSEStream(self._chunks(answer, first, body, response_id, created, chat=chat), answer)  # type: ignore[return-value]
         return await self._whole(answer, first, body, prompt, response_id, created, chat=chat)
 
     async def _admit(self, request: Request, model: type[BaseModel], build_prompt: Callable[[Any], list[int]], *,
-                     chat: bool) -> tuple[Any, list[int], int, asyncio.Queue[EngineEvent | None]]:
-        """Parse and check the request, and submit it to the engine: (body, prompt, request id, its events)."""
+                     chat: bool) -> tuple[Any, list[int], int, EventRelay, asyncio.Queue[EngineEvent | None]]:
+        """Parse and check the request, and submit it to the engine: (body, prompt, request id, its event sink and
+        the queue it fills)."""
         try:
             payload = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -328,18 +342,14 @@ class EngineAPI:
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
         )
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[EngineEvent | None] = asyncio.Queue()
-
-        def sink(event: EngineEvent) -> None:  # called on the engine's thread
-            loop.call_soon_threadsafe(queue.put_nowait, event)
-
+        relay = EventRelay(asyncio.get_running_loop(), queue, self.engine.metrics)
         try:
-            request_id = self.engine.submit(prompt, sampling, sink, reuse_prefix=self._cache_prompt(body),
+            request_id = self.engine.submit(prompt, sampling, relay, reuse_prefix=self._cache_prompt(body),
                                             session=request.headers.get(SESSION_TAG_HEADER, ""))
         except QueueFull as exc:
             raise too_many_requests(str(exc), exc.retry_after_s) from exc
-        return body, prompt, request_id, queue
+        return body, prompt, request_id, relay, queue
 
     async def _chunks(self, answer: _Answer, first: EngineEvent, body: Any, response_id: str, created: int, *,
                       chat: bool) -> AsyncIterator[bytes]:
@@ -354,6 +364,7 @@ class EngineAPI:
             if isinstance(event, TokenEvent):
                 if event.text:
                     yield before + orjson.dumps(event.text) + after
+                answer.go_direct(before, after)
             else:
                 answer.finished = True
                 if event.state != RequestState.COMPLETED:

@@ -31,6 +31,7 @@ class EngineMetrics:
     failures_500: int = 0
     cancelled: int = 0
     completed: int = 0
+    stream_chunks_direct: int = 0
     ttft_s: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
     itl_s: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS_S))
 
@@ -72,6 +73,9 @@ def render_prometheus(
     counter("llamacpp:requests_rejected_total", "Requests refused with 429 (queue full).", m.rejected_429)
     counter("llamacpp:requests_timeout_total", "Requests answered 408 (timeout).", m.timeouts_408)
     counter("llamacpp:requests_failed_total", "Requests answered 500 (engine failure).", m.failures_500)
+    counter("llamacpp:stream_chunks_direct_total",
+            "Streamed token chunks the decode thread wrote to the client's socket itself (the rest went through the "
+            "event loop).", m.stream_chunks_direct)
     counter("llamacpp:requests_cancelled_total", "Requests cancelled by a client disconnect.", m.cancelled)
     histogram("llamacpp:time_to_first_token_seconds", "Time to first token.", m.ttft_s)
     histogram("llamacpp:inter_token_latency_seconds", "Time between consecutive tokens.", m.itl_s)
