@@ -49,9 +49,9 @@ class Wire:
 
     def __init__(self, transport: asyncio.Transport, client: socket.socket) -> None:
         self.transport, self.client = transport, client
-        self.queue: asyncio.Queue = asyncio.Queue()
         self.metrics = EngineMetrics()
-        self.relay = EventRelay(asyncio.get_running_loop(), self.queue, self.metrics)
+        self.relay = EventRelay(asyncio.get_running_loop(), self.metrics)
+        self.queue: asyncio.Queue = self.relay._queue  # what the loop was given, looked at without taking it
 
     def read_available(self, timeout: float = 0.5) -> bytes:
         self.client.settimeout(timeout)
@@ -83,9 +83,7 @@ async def open_wire(*, send_buffer: int | None = None) -> AsyncIterator[Wire]:
 
 async def take(wire: Wire) -> object:
     """What the edge does with an event from the queue: take it, and write a token's chunk through the transport."""
-    event = await asyncio.wait_for(wire.queue.get(), 10)
-    if event is not None:
-        wire.relay.taken()
+    event = await asyncio.wait_for(wire.relay.next(), 10)
     if isinstance(event, TokenEvent):
         wire.transport.write(framed(event.text))
     return event

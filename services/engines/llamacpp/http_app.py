@@ -77,12 +77,11 @@ def _one_choice(body: ChatCompletionRequest | CompletionRequest) -> None:
 class _Answer:
     """An admitted request's engine events as they come, until it finishes or its client leaves."""
 
-    def __init__(self, engine: Any, request_id: int, relay: EventRelay, queue: asyncio.Queue[EngineEvent | None],
-                 receive: Receive) -> None:
-        self.engine, self.request_id, self.relay, self.queue = engine, request_id, relay, queue
+    def __init__(self, engine: Any, request_id: int, relay: EventRelay, receive: Receive) -> None:
+        self.engine, self.request_id, self.relay = engine, request_id, relay
         self.disconnected = asyncio.ensure_future(client_gone(receive))
         # The client's departure joins the engine's events: one plain `get` per token, no race set up each time.
-        self.disconnected.add_done_callback(lambda _: queue.put_nowait(None))
+        self.disconnected.add_done_callback(lambda _: relay.client_left())
         self.finished = False
         """The engine is done with the request (nothing to cancel)."""
         self.transport: asyncio.Transport | None = None
@@ -90,10 +89,7 @@ class _Answer:
 
     async def next(self) -> EngineEvent | None:
         """The next engine event, or None when the client went away first."""
-        event = await self.queue.get()
-        if event is not None:
-            self.relay.taken()
-        return event
+        return await self.relay.next()
 
     def go_direct(self, chunk_before: bytes, chunk_after: bytes) -> None:
         """Hand the token chunks to the decode thread's direct writes, where the server and the stream allow."""
@@ -283,10 +279,10 @@ class EngineAPI:
         """Admit the request, wait for its first event (so a request that fails before it gets its status), then
         answer it streamed or whole."""
         try:
-            body, prompt, request_id, relay, queue = await self._admit(request, model, build_prompt, chat=chat)
+            body, prompt, request_id, relay = await self._admit(request, model, build_prompt, chat=chat)
         except APIError as err:
             return error_response(err)
-        answer = _Answer(self.engine, request_id, relay, queue, request.receive)
+        answer = _Answer(self.engine, request_id, relay, request.receive)
         first = await answer.next()
         if first is None:
             answer.close()
@@ -301,9 +297,8 @@ class EngineAPI:
         return await self._whole(answer, first, body, prompt, response_id, created, chat=chat)
 
     async def _admit(self, request: Request, model: type[BaseModel], build_prompt: Callable[[Any], list[int]], *,
-                     chat: bool) -> tuple[Any, list[int], int, EventRelay, asyncio.Queue[EngineEvent | None]]:
-        """Parse and check the request, and submit it to the engine: (body, prompt, request id, its event sink and
-        the queue it fills)."""
+                     chat: bool) -> tuple[Any, list[int], int, EventRelay]:
+        """Parse and check the request, and submit it to the engine: (body, prompt, request id, its events)."""
         try:
             payload = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -342,14 +337,13 @@ class EngineAPI:
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
         )
-        queue: asyncio.Queue[EngineEvent | None] = asyncio.Queue()
-        relay = EventRelay(asyncio.get_running_loop(), queue, self.engine.metrics)
+        relay = EventRelay(asyncio.get_running_loop(), self.engine.metrics)
         try:
             request_id = self.engine.submit(prompt, sampling, relay, reuse_prefix=self._cache_prompt(body),
                                             session=request.headers.get(SESSION_TAG_HEADER, ""))
         except QueueFull as exc:
             raise too_many_requests(str(exc), exc.retry_after_s) from exc
-        return body, prompt, request_id, relay, queue
+        return body, prompt, request_id, relay
 
     async def _chunks(self, answer: _Answer, first: EngineEvent, body: Any, response_id: str, created: int, *,
                       chat: bool) -> AsyncIterator[bytes]:

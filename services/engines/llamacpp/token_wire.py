@@ -53,13 +53,13 @@ def plain_chunked_transport(send: Any, scope: dict[str, Any]) -> asyncio.Transpo
 
 
 class EventRelay:
-    """The engine's event sink for one request: events into the edge's queue, token chunks onto the socket once the
-    edge hands the stream over."""
+    """One request's events between the engine and the edge: the engine's sink (on the decode thread) puts them on
+    the loop for the edge to take with `next`, or, once the edge hands the stream over, writes token chunks onto the
+    socket."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[EngineEvent | None],
-                 metrics: EngineMetrics) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: EngineMetrics) -> None:
         self._loop = loop
-        self._queue = queue
+        self._queue: asyncio.Queue[EngineEvent | None] = asyncio.Queue()
         self._metrics = metrics
         self._lock = threading.Lock()
         self._unread = 0
@@ -107,11 +107,20 @@ class EventRelay:
             if not self._transport.is_closing():  # a client gone meanwhile needs nothing more
                 self._transport.write(data)
         finally:
-            self.taken()
+            self._taken()
 
     # -- the event loop ---------------------------------------------------------------------
-    def taken(self) -> None:
-        """The edge took one of the events this relay handed to the loop."""
+    async def next(self) -> EngineEvent | None:
+        """The next event given to the loop, or None once the client is gone (`client_left`)."""
+        event = await self._queue.get()
+        if event is not None:
+            self._taken()
+        return event
+
+    def client_left(self) -> None:
+        self._queue.put_nowait(None)
+
+    def _taken(self) -> None:
         with self._lock:
             self._unread -= 1
 
