@@ -90,6 +90,8 @@ class ServerLinks:
         self.postgres = Link("Postgres", clock=clock)
         self.nats = Link("NATS", clock=clock)
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
+        self._ping: tuple[asyncio.Future[None], int] | None = None
+        """The PING in flight to NATS, and the connection's reconnect count when it was sent."""
 
     # ------------------------------------------------------------------ NATS connection callbacks
 
@@ -126,21 +128,53 @@ class ServerLinks:
         else:
             self.postgres.reached()
         try:
-            if not nc.is_connected:
-                raise ConnectionError("reconnecting")
-            await nc.flush(timeout=PROBE_TIMEOUT_S)  # a PING answered by a PONG: the server is there and moving
+            await self._ping_nats(nc)
         except Exception as exc:
             self.nats.missed(exc if str(exc) else f"no answer to a ping within {PROBE_TIMEOUT_S:g} s")
         else:
             self.nats.reached()
 
+    async def _ping_nats(self, nc: NATS) -> None:
+        """A PING answered by a PONG within `PROBE_TIMEOUT_S`: the server is there and moving.
+
+        One PING at a time, and none given up on while its connection lives: nats-py's
+        `flush(timeout)` cancels the PONG's future when it times out, and the PONG that
+        comes later (a paused server resuming) then breaks the connection's read loop,
+        so every service reconnected 6-9 s after a paused NATS resumed, each at its own
+        moment. A PING outlives its connection only if nats-py's own pings have not found
+        the connection stale first (`max_outstanding_pings` + 1 intervals); a new
+        connection owes no PONG, so the PING sent on the old one is dropped.
+        """
+        if not nc.is_connected:
+            raise ConnectionError("reconnecting")
+        reconnects = nc.stats["reconnects"]
+        if self._ping is not None and self._ping[1] != reconnects:
+            self._drop_ping()
+        if self._ping is None:
+            patience_s = nc.options["ping_interval"] * (nc.options["max_outstanding_pings"] + 2)
+            self._ping = (asyncio.ensure_future(nc.flush(timeout=patience_s)), reconnects)
+        ping = self._ping[0]
+        await asyncio.wait({ping}, timeout=PROBE_TIMEOUT_S)
+        if not ping.done():
+            raise TimeoutError(f"no answer to a ping within {PROBE_TIMEOUT_S:g} s")
+        self._ping = None
+        ping.result()
+
+    def _drop_ping(self) -> None:
+        if self._ping is not None:
+            self._ping[0].cancel()
+            self._ping = None
+
     async def run(self, engine: AsyncEngine, nc: NATS, stop: asyncio.Event) -> None:
         """Probe every second until `stop`, writing the health file after each probe."""
-        while not stop.is_set():
-            await self.probe(engine, nc)
-            self.write_health()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), PROBE_INTERVAL_S)
+        try:
+            while not stop.is_set():
+                await self.probe(engine, nc)
+                self.write_health()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), PROBE_INTERVAL_S)
+        finally:
+            self._drop_ping()
 
     def health(self) -> dict[str, Any]:
         return {"service": self.service, "pid": os.getpid(), "at": time.time(),

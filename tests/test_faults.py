@@ -6,6 +6,8 @@ import asyncio
 import http.server
 import json
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -183,6 +185,43 @@ async def test_a_services_links_are_probed_written_for_its_health_check_and_noti
     missing = subprocess.run([sys.executable, "-m", "services.cli", "health", "--file", str(tmp_path / "none")],
                              capture_output=True, text=True)
     assert missing.returncode == 1 and "cannot read" in missing.stderr
+
+
+async def test_a_paused_nats_is_missed_while_paused_and_reached_again_on_the_same_connection(settings, tmp_path):
+    """A server that stops answering (SIGSTOP) is missed within a probe's timeout and reached again as soon as it
+    resumes, on the connection it had: the probe's PING waits for its PONG however late it comes (a PING given up on,
+    as nats-py's `flush(timeout)` does, breaks the connection's read loop when its PONG arrives, and every service
+    then reconnected seconds after the server was back)."""
+    from services.cluster.embedded import EmbeddedNats
+
+    links = ServerLinks("relay")
+    engine = create_async_engine(settings.sqlalchemy_url)
+    errors: list[Exception] = []
+
+    async def error_cb(exc: Exception) -> None:
+        errors.append(exc)
+
+    with EmbeddedNats(tmp_path / "nats") as server:
+        nc = await connect(server.url, name="links-pause-test", **{**links.nats_callbacks(), "error_cb": error_cb})
+        try:
+            await links.probe(engine, nc)
+            assert links.nats.up
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                for _ in range(3):  # three probes over about 6 s: each finds it silent, none sends a second PING
+                    await links.probe(engine, nc)
+                    assert not links.nats.up
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            await links.probe(engine, nc)
+            assert links.nats.up, links.nats.error
+            await asyncio.sleep(1.0)  # the late PONGs arrive and are read
+            await links.probe(engine, nc)
+            assert links.nats.up and nc.is_connected
+            assert nc.stats["reconnects"] == 0 and errors == [], (nc.stats, errors)
+        finally:
+            await nc.close()
+            await engine.dispose()
 
 
 def test_the_health_check_loads_no_client_library():

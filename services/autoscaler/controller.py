@@ -428,30 +428,36 @@ class Controller:
     async def watch_workers(self, now: datetime) -> list[str]:
         """Record each worker silent past the timeout as lost, and its instances as gone with it.
 
-        Silence counts only when this controller could have heard: it has led, and
-        reached NATS without a break, for a whole timeout (a leader whose bus was away,
-        or has just come back, has not heard anyone: that is not their death), and a
-        last look at the worker's heartbeat in the bucket finds nothing fresher. When
-        several workers are silent at once, the bus between them and the bucket is the
-        likelier casualty (a NATS server of a cluster lost: the workers it served
-        reconnect elsewhere while the streams elect new leaders, and no heartbeat can be
-        written meanwhile): they are judged only after `SHARED_SILENCE_FACTOR` timeouts.
-        One silent worker among heard ones is judged after one.
+        Silence counts only when this controller could have heard: it has led for a
+        whole timeout (a new leader first gives every worker the chance to be heard), it
+        counts from the moment its own link to NATS last came back (a leader whose bus
+        was away has not heard anyone: that is not their death), and a last look at the
+        worker's heartbeat in the bucket finds nothing fresher. A silence that is shared
+        is likelier the bus's than the workers': several workers silent at once (a NATS
+        server of a cluster lost: the workers it served reconnect elsewhere while the
+        streams elect new leaders, and no heartbeat can be written meanwhile), or a
+        worker silent since before this controller's own link came back (each client
+        finds a server again at its own moment). Such silence is judged only after
+        `SHARED_SILENCE_FACTOR` timeouts; one silent worker among heard ones after one.
         """
         if self.leading_since is None or now - self.leading_since < timedelta(seconds=self.worker_timeout_s):
-            return []  # a new leader first gives every worker the chance to be heard
-        if self.bus_up_for_s() < self.worker_timeout_s:
             return []
+        bus_up_s = self.bus_up_for_s()
+        bus_back = now - timedelta(seconds=bus_up_s) if math.isfinite(bus_up_s) else None
+
+        def counted_s(last: datetime) -> float:
+            return (now - (last if bus_back is None else max(last, bus_back))).total_seconds()
+
         up = {worker_id: row for worker_id, row in self.view[WORKERS].items() if row.up}
         last_of = {worker_id: max(filter(None, (self.facts.last_heard(worker_id), row.registered_at)))
                    for worker_id, row in up.items()}
-        timeout_s = self.worker_timeout_s
-        if sum((now - last).total_seconds() > timeout_s for last in last_of.values()) > 1:
-            timeout_s *= SHARED_SILENCE_FACTOR
+        several = sum((now - last).total_seconds() > self.worker_timeout_s for last in last_of.values()) > 1
         lost = []
         for worker_id, row in up.items():
             last = last_of[worker_id]
-            if (now - last).total_seconds() <= timeout_s:
+            shared = several or (bus_back is not None and last < bus_back)
+            timeout_s = self.worker_timeout_s * (SHARED_SILENCE_FACTOR if shared else 1.0)
+            if counted_s(last) <= timeout_s:
                 continue
             try:
                 heartbeat = await self.telemetry_bus.heartbeat_of(worker_id)
@@ -462,9 +468,8 @@ class Controller:
             if heartbeat is not None:
                 self.facts.heard(heartbeat, now)  # the watch missed it: heard now, if it is news
                 last = max(last, self.facts.last_heard(worker_id) or last)
-            silent = (now - last).total_seconds()
-            if silent > timeout_s:
-                await self.record_lost(worker_id, row, last, f"no heartbeat for {silent:.0f} s")
+            if counted_s(last) > timeout_s:
+                await self.record_lost(worker_id, row, last, f"no heartbeat for {(now - last).total_seconds():.0f} s")
                 lost.append(worker_id)
         if lost:
             await self.view.catch_up()
