@@ -141,9 +141,10 @@ class ServerLinks:
         `flush(timeout)` cancels the PONG's future when it times out, and the PONG that
         comes later (a paused server resuming) then breaks the connection's read loop,
         so every service reconnected 6-9 s after a paused NATS resumed, each at its own
-        moment. A PING outlives its connection only if nats-py's own pings have not found
-        the connection stale first (`max_outstanding_pings` + 1 intervals); a new
-        connection owes no PONG, so the PING sent on the old one is dropped.
+        moment. Its own timeout is longer than nats-py's pings take to find a silent
+        connection stale (`max_outstanding_pings` + 1 intervals), so it never expires on a
+        live connection; a replaced connection owes no PONG: the PING sent on the old one
+        is dropped.
         """
         if not nc.is_connected:
             raise ConnectionError("reconnecting")

@@ -208,14 +208,14 @@ async def test_a_paused_nats_is_missed_while_paused_and_reached_again_on_the_sam
             assert links.nats.up
             os.kill(server.pid, signal.SIGSTOP)
             try:
-                for _ in range(3):  # three probes over about 6 s: each finds it silent, none sends a second PING
+                for _ in range(3):  # three probes over about 6 s, each finding it silent
                     await links.probe(engine, nc)
                     assert not links.nats.up
             finally:
                 os.kill(server.pid, signal.SIGCONT)
             await links.probe(engine, nc)
             assert links.nats.up, links.nats.error
-            await asyncio.sleep(1.0)  # the late PONGs arrive and are read
+            await asyncio.sleep(1.0)  # the PONGs owed arrive and are read
             await links.probe(engine, nc)
             assert links.nats.up and nc.is_connected
             assert nc.stats["reconnects"] == 0 and errors == [], (nc.stats, errors)
