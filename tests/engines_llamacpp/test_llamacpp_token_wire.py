@@ -1,5 +1,5 @@
-"""Token chunks written by the decode thread straight to the client's socket (`token_wire`): on real TCP sockets
-and a real event loop, then through the real engine behind uvicorn."""
+"""Token chunks written straight to the client's socket (`token_wire`), by the writer thread or, without one, by the
+decode thread: on real TCP sockets and a real event loop, then through the real engine behind uvicorn."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -19,7 +19,8 @@ import pytest
 from llamacpp_helpers import RunningServer, chat
 from services.engines.llamacpp.metrics import EngineMetrics
 from services.engines.llamacpp.requests import FinishEvent, RequestState, TokenEvent
-from services.engines.llamacpp.token_wire import EventRelay, plain_chunked_transport
+from services.engines.llamacpp import token_wire
+from services.engines.llamacpp.token_wire import ChunkWriter, EventRelay, plain_chunked_transport
 
 NO_EOG = {"0": -100, "2": -100}  # SmolLM2's end-of-generation tokens: answers of max_tokens
 BEFORE, AFTER = b'data: {"t":', b"}\n\n"
@@ -44,14 +45,33 @@ def unframe(data: bytes) -> list[str]:
     return texts
 
 
+@pytest.fixture(params=["writer", "inline"])
+def writer(request: pytest.FixtureRequest) -> Iterator[ChunkWriter | None]:
+    """The engine's writer thread, or none (the decode thread writes itself): every wire test runs with both."""
+    if request.param == "inline":
+        yield None
+        return
+    chunk_writer = ChunkWriter()
+    chunk_writer.start()
+    yield chunk_writer
+    chunk_writer.stop()
+
+
 class Wire:
     """A real TCP connection: the server end under an asyncio transport, the client end a plain socket."""
 
-    def __init__(self, transport: asyncio.Transport, client: socket.socket) -> None:
+    def __init__(self, transport: asyncio.Transport, client: socket.socket, writer: ChunkWriter | None) -> None:
         self.transport, self.client = transport, client
         self.metrics = EngineMetrics()
-        self.relay = EventRelay(asyncio.get_running_loop(), self.metrics)
+        self.relay = EventRelay(asyncio.get_running_loop(), self.metrics, writer)
         self.queue: asyncio.Queue = self.relay._queue  # what the loop was given, looked at without taking it
+
+    async def settled(self) -> None:
+        """Until the writer has delivered every event given to it (at once without a writer)."""
+        deadline = time.monotonic() + 10
+        while self.relay._queued:
+            assert time.monotonic() < deadline, "the writer never delivered what it was given"
+            await asyncio.sleep(0.005)
 
     def read_available(self, timeout: float = 0.5) -> bytes:
         self.client.settimeout(timeout)
@@ -65,7 +85,7 @@ class Wire:
 
 
 @contextlib.asynccontextmanager
-async def open_wire(*, send_buffer: int | None = None) -> AsyncIterator[Wire]:
+async def open_wire(writer: ChunkWriter | None, *, send_buffer: int | None = None) -> AsyncIterator[Wire]:
     listener = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(listener.getsockname())
     server_side, _ = listener.accept()
@@ -75,7 +95,7 @@ async def open_wire(*, send_buffer: int | None = None) -> AsyncIterator[Wire]:
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, send_buffer)
     transport, _ = await asyncio.get_running_loop().connect_accepted_socket(asyncio.Protocol, server_side)
     try:
-        yield Wire(transport, client)
+        yield Wire(transport, client, writer)
     finally:
         transport.close()
         client.close()
@@ -89,9 +109,9 @@ async def take(wire: Wire) -> object:
     return event
 
 
-def test_direct_writes_start_only_once_everything_given_to_the_loop_is_written() -> None:
+def test_direct_writes_start_only_once_everything_given_to_the_loop_is_written(writer: ChunkWriter | None) -> None:
     async def main() -> None:
-        async with open_wire() as wire:
+        async with open_wire(writer) as wire:
             wire.relay(TokenEvent("one", 1))
             assert not wire.relay.go_direct(wire.transport, BEFORE, AFTER), "an event is still on its way to the edge"
             assert await take(wire) == TokenEvent("one", 1)
@@ -99,6 +119,7 @@ def test_direct_writes_start_only_once_everything_given_to_the_loop_is_written()
             wire.relay(TokenEvent("two", 2))
             wire.relay(TokenEvent("", 3))  # nothing to say yet (a possible stop sequence): nothing written
             wire.relay(TokenEvent('"three"\n', 4))
+            await wire.settled()
             assert wire.queue.empty(), "token events in direct mode never wake the loop"
             assert unframe(wire.read_available()) == ["one", "two", '"three"\n']
             assert wire.metrics.stream_chunks_direct == 2
@@ -113,9 +134,9 @@ def test_direct_writes_start_only_once_everything_given_to_the_loop_is_written()
     asyncio.run(main())
 
 
-def test_no_direct_writes_while_the_transport_holds_unsent_bytes() -> None:
+def test_no_direct_writes_while_the_transport_holds_unsent_bytes(writer: ChunkWriter | None) -> None:
     async def main() -> None:
-        async with open_wire(send_buffer=4096) as wire:
+        async with open_wire(writer, send_buffer=4096) as wire:
             wire.transport.write(b"x" * (1 << 20))  # the client reads nothing: most of it stays in the transport
             assert wire.transport.get_write_buffer_size() > 0
             assert not wire.relay.go_direct(wire.transport, BEFORE, AFTER)
@@ -123,18 +144,19 @@ def test_no_direct_writes_while_the_transport_holds_unsent_bytes() -> None:
     asyncio.run(main())
 
 
-def test_a_slow_reader_gets_every_chunk_in_order_and_never_holds_up_the_decode_thread() -> None:
+def test_a_slow_reader_gets_every_chunk_in_order_and_never_holds_up_a_thread(writer: ChunkWriter | None) -> None:
     """The kernel's buffer fills: the write that does not fit hands the stream back to the loop, whose transport
-    buffers the rest; the writing thread finishes while the client has read nothing."""
+    buffers the rest; the decode thread and the writer finish while the client has read nothing."""
     n = 3000
 
     async def main() -> None:
-        async with open_wire(send_buffer=4096) as wire:
+        async with open_wire(writer, send_buffer=4096) as wire:
             assert wire.relay.go_direct(wire.transport, BEFORE, AFTER)
             decode_thread = threading.Thread(target=lambda: [wire.relay(TokenEvent(f"t{i} ", i)) for i in range(n)])
             decode_thread.start()
             await asyncio.get_running_loop().run_in_executor(None, decode_thread.join, 30)
             assert not decode_thread.is_alive(), "a slow reader blocked the decode thread"
+            await wire.settled()
             assert 0 < wire.metrics.stream_chunks_direct < n, "the stream went back to the loop when the kernel was full"
             received = b""
             deadline = time.monotonic() + 30
@@ -149,9 +171,9 @@ def test_a_slow_reader_gets_every_chunk_in_order_and_never_holds_up_the_decode_t
     asyncio.run(main())
 
 
-def test_a_client_that_left_ends_the_stream_as_a_disconnect() -> None:
+def test_a_client_that_left_ends_the_stream_as_a_disconnect(writer: ChunkWriter | None) -> None:
     async def main() -> None:
-        async with open_wire() as wire:
+        async with open_wire(writer) as wire:
             assert wire.relay.go_direct(wire.transport, BEFORE, AFTER)
             wire.client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             wire.client.close()  # a reset: the next writes fail
@@ -165,18 +187,120 @@ def test_a_client_that_left_ends_the_stream_as_a_disconnect() -> None:
     asyncio.run(main())
 
 
-def test_the_descriptor_written_to_is_the_relay_s_own_and_closed_with_it() -> None:
+def test_the_descriptor_written_to_is_the_relay_s_own_and_closed_with_it(writer: ChunkWriter | None) -> None:
     """The relay writes through a duplicate of the socket's descriptor: when the server closes its own, the number
     may be reused for another connection, which a write must never reach."""
 
     async def main() -> None:
-        async with open_wire() as wire:
+        async with open_wire(writer) as wire:
             assert wire.relay.go_direct(wire.transport, BEFORE, AFTER)
             own = wire.relay._fd
             assert own is not None and own != wire.transport.get_extra_info("socket").fileno()
             wire.relay.close()
             with pytest.raises(OSError):
                 os.fstat(own)
+
+    asyncio.run(main())
+
+
+def test_with_a_writer_the_decode_thread_never_writes_and_the_finish_follows_the_last_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The writer does every direct write, in the order the decode thread gave the events; a finish given right
+    after the tokens reaches the loop only once they are on the wire."""
+    writing_threads: set[str] = set()
+    real_write = os.write
+
+    def recorded_write(fd: int, data: bytes) -> int:
+        writing_threads.add(threading.current_thread().name)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(token_wire.os, "write", recorded_write)
+    writer = ChunkWriter()
+    writer.start()
+
+    async def main() -> None:
+        async with open_wire(writer) as wire:
+            assert wire.relay.go_direct(wire.transport, BEFORE, AFTER)
+            finish = FinishEvent(RequestState.COMPLETED, "length", "", 5, 200, 0)
+
+            def decode() -> None:
+                for i in range(200):
+                    wire.relay(TokenEvent(f"t{i} ", i + 1))
+                wire.relay(finish)
+
+            decode_thread = threading.Thread(target=decode, name="decode")
+            decode_thread.start()
+            decode_thread.join(10)
+            assert await take(wire) == finish
+            assert unframe(wire.read_available()) == [f"t{i} " for i in range(200)], "every chunk before the finish"
+            assert writing_threads == {"llamacpp-chunk-writer"}
+
+    try:
+        asyncio.run(main())
+    finally:
+        writer.stop()
+
+
+class Hold:
+    """An item that holds the writer up until released."""
+
+    def __init__(self) -> None:
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def deliver_queued(self, event: object) -> None:
+        self.reached.set()
+        assert self.release.wait(10)
+
+
+def test_events_after_a_hand_back_to_the_loop_wait_for_those_still_with_the_writer() -> None:
+    """A write the kernel cannot take whole hands the stream back to the loop while the writer still holds later
+    events of it: an event the decode thread gives then goes behind them, not straight to the loop."""
+    writer = ChunkWriter()
+    writer.start()
+    big = "x" * (1 << 18)  # more than the kernel's buffers hold: a partial write
+
+    async def main() -> None:
+        async with open_wire(writer, send_buffer=4096) as wire:
+            assert wire.relay.go_direct(wire.transport, BEFORE, AFTER)
+            first, second = Hold(), Hold()
+            writer.put(first, TokenEvent("", 0))  # type: ignore[arg-type]
+            wire.relay(TokenEvent(big, 1))
+            writer.put(second, TokenEvent("", 0))  # type: ignore[arg-type]
+            wire.relay(TokenEvent("t1", 2))
+            first.release.set()
+            assert await asyncio.get_running_loop().run_in_executor(None, second.reached.wait, 10)
+            assert wire.relay._fd is None, "the partial write handed the stream back"
+            wire.relay(TokenEvent("t2", 3))  # the decode thread, while "t1" is still with the writer
+            second.release.set()
+            await wire.settled()
+            received = b""
+            deadline = time.monotonic() + 30
+            while not received.endswith(framed("t2")) and time.monotonic() < deadline:
+                received += await asyncio.get_running_loop().run_in_executor(None, wire.read_available, 0.05)
+                while not wire.queue.empty():
+                    await take(wire)
+            assert unframe(received) == [big, "t1", "t2"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        writer.stop()
+
+
+def test_a_stopped_writer_delivers_what_it_was_given_and_then_the_decode_thread_writes() -> None:
+    async def main() -> None:
+        writer = ChunkWriter()
+        writer.start()
+        async with open_wire(writer) as wire:
+            assert wire.relay.go_direct(wire.transport, BEFORE, AFTER)
+            for i in range(50):
+                wire.relay(TokenEvent(f"t{i} ", i + 1))
+            writer.stop()
+            assert wire.relay._queued == 0, "the stop delivered everything queued"
+            wire.relay(TokenEvent("after ", 51))  # written by the caller itself now
+            assert unframe(wire.read_available()) == [f"t{i} " for i in range(50)] + ["after "]
+            assert wire.metrics.stream_chunks_direct == 51
 
     asyncio.run(main())
 
@@ -204,7 +328,7 @@ def _chunks_direct(server: RunningServer) -> int:
     return server.engine.metrics.stream_chunks_direct
 
 
-def test_the_decode_thread_writes_a_stream_s_chunks_and_the_answer_is_the_same(server: RunningServer) -> None:
+def test_a_stream_s_chunks_written_straight_to_its_socket_give_the_same_answer(server: RunningServer) -> None:
     body = chat(server.alias, "Name three colours.", max_tokens=24, cache_prompt=False)
     whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
     before = _chunks_direct(server)

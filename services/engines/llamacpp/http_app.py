@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP edge of the llama.cpp engine (Starlette; SSE written by hand, a stream's later token
-chunks by the decode thread itself: `token_wire`).
+chunks straight onto its socket by a writer thread: `token_wire`).
 
 Every response carries `x-modelpool-engine: llama.cpp`, and `/v1/models` says
 the same, so the pool can never mistake this engine for the simulated one.
@@ -58,7 +58,7 @@ from .engine import LlamaEngine
 from .model_files import DEFAULT_MODEL_ALIAS
 from .requests import EngineEvent, FinishEvent, RequestState, SamplingParams, TokenEvent
 from .scheduler import LengthLimitExceeded, QueueFull, effective_max_tokens
-from .token_wire import EventRelay, plain_chunked_transport
+from .token_wire import ChunkWriter, EventRelay, plain_chunked_transport
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,8 @@ class _SSEStream:
 class EngineAPI:
     def __init__(self, engine: LlamaEngine, *, model_alias: str | None = None) -> None:
         self.engine = engine
+        self.chunk_writer = ChunkWriter()
+        """Writes the token chunks of streams handed over for direct writes (running while the app is)."""
         self.model_alias = model_alias or engine.settings.model_alias or self._alias_from_path()
         self.created = int(time.time())
         self._template: ChatTemplate | None = None
@@ -337,7 +339,7 @@ class EngineAPI:
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
         )
-        relay = EventRelay(asyncio.get_running_loop(), self.engine.metrics)
+        relay = EventRelay(asyncio.get_running_loop(), self.engine.metrics, self.chunk_writer)
         try:
             request_id = self.engine.submit(prompt, sampling, relay, reuse_prefix=self._cache_prompt(body),
                                             session=request.headers.get(SESSION_TAG_HEADER, ""))
@@ -458,11 +460,13 @@ def build_app(engine: LlamaEngine, *, model_alias: str | None = None, manage_eng
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if manage_engine:
             engine.start()
+        api.chunk_writer.start()
         try:
             yield
         finally:
             if manage_engine:
                 await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+            api.chunk_writer.stop()
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)

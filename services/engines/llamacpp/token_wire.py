@@ -3,27 +3,38 @@
 Why the direct write: llama.cpp's threads use every core, so each token's turn of
 the event loop (a wake-up, a GIL hand-off, a task switch, an ASGI send) takes CPU
 from the decode itself — about 190 µs of the edge thread per token, where
-llama-server's HTTP thread spends about 30. Once a stream's head is out, the decode
-thread writes each token's chunk to the client's socket itself: one non-blocking
-write, no wake-up. Everything else (the first event, the finish, errors, usage,
-`[DONE]`) still goes through the loop.
+llama-server's HTTP thread spends about 30. Once a stream's head is out, each
+token's chunk is written to the client's socket directly: one non-blocking write,
+no wake-up of the loop. Everything else (the first event, the finish, errors,
+usage, `[DONE]`) still goes through the loop.
+
+Who writes: the engine's `ChunkWriter` thread, which the decode thread hands each
+event of a direct stream to. A write to a local client wakes it, and the kernel
+runs a reader woken by a TCP write on the writer's CPU: written from the decode
+thread itself, each write held the decode up for the reader's turn (108 µs
+median, 638 µs p90 per token at one stream, docs/benchmarks.md). llama-server's
+decode loop likewise hands each token to its HTTP threads. Without a running
+writer (an app served without its lifespan), the decode thread writes itself.
 
 Order on the wire is the order of events: the loop hands a stream over only when
 every event it was given is written and its transport holds nothing unsent
-(`go_direct`), the decode thread writes under the same lock the hand-over takes,
-and the finish travels through the loop after the last direct write. A write the
-kernel cannot take whole (a slow reader) hands the stream back to the loop with
-the rest, which the transport buffers under its flow control, so a slow client
-never blocks the decode thread; a write the peer refused ends the stream as a
-disconnect. The socket is written through a duplicate descriptor, closed only under
-the lock, so a descriptor number the server reuses for another connection is never
-written to.
+(`go_direct`); from then on every event of the stream passes through the writer's
+queue, in order, until the writer has delivered the last of them, and the writer
+writes under the same lock the hand-over takes; the finish travels through the
+loop after the last direct write. A write the kernel cannot take whole (a slow
+reader) hands the stream back to the loop with the rest, which the transport
+buffers under its flow control, so a slow client never blocks a thread; a write
+the peer refused ends the stream as a disconnect. The socket is written through a
+duplicate descriptor, closed only under the lock, so a descriptor number the
+server reuses for another connection is never written to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import queue
 import threading
 from typing import Any
 
@@ -31,6 +42,8 @@ import orjson
 
 from .metrics import EngineMetrics
 from .requests import EngineEvent, TokenEvent
+
+log = logging.getLogger(__name__)
 
 
 def plain_chunked_transport(send: Any, scope: dict[str, Any]) -> asyncio.Transport | None:
@@ -52,20 +65,66 @@ def plain_chunked_transport(send: Any, scope: dict[str, Any]) -> asyncio.Transpo
     return transport
 
 
+class ChunkWriter:
+    """The thread that delivers the events of streams handed over for direct writes (`EventRelay.go_direct`), in
+    the order the decode thread gave them: token chunks onto the socket, the rest to the loop."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[EventRelay, EngineEvent] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        """Running while set."""
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="llamacpp-chunk-writer", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        """Deliver everything queued, then stop: from now on whoever gives an event delivers it (the app stops the
+        writer after the engine, whose decode thread gives none by then)."""
+        with self._lock:  # every event `put` took is queued before the end mark
+            thread, self._thread = self._thread, None
+            if thread is None:
+                return
+            self._queue.put(None)
+        thread.join()
+
+    def put(self, relay: "EventRelay", event: EngineEvent) -> bool:
+        """Queue `event` of `relay`; False when the writer is not running (the caller delivers it)."""
+        with self._lock:
+            if self._thread is None:
+                return False
+            self._queue.put((relay, event))
+            return True
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            relay, event = item
+            try:
+                relay.deliver_queued(event)
+            except Exception:  # one stream's failure never stops the others' writes
+                log.exception("delivering a stream's event failed")
+
+
 class EventRelay:
     """One request's events between the engine and the edge: the engine's sink (on the decode thread) puts them on
-    the loop for the edge to take with `next`, or, once the edge hands the stream over, writes token chunks onto the
-    socket."""
+    the loop for the edge to take with `next`, or, once the edge hands the stream over, gives them to the writer,
+    which writes token chunks onto the socket."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: EngineMetrics) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: EngineMetrics, writer: ChunkWriter | None = None) -> None:
         self._loop = loop
+        self._writer = writer
+        self._queued = 0
+        """Events given to the writer that it has not delivered yet: until it has, later ones follow them there."""
         self._queue: asyncio.Queue[EngineEvent | None] = asyncio.Queue()
         self._metrics = metrics
         self._lock = threading.Lock()
         self._unread = 0
         """Events handed to the loop that the edge has not taken yet."""
         self._fd: int | None = None
-        """Our own descriptor of the client's socket while the decode thread writes the token chunks."""
+        """Our own descriptor of the client's socket while the token chunks are written directly."""
         self._transport: asyncio.Transport | None = None
         self._before = self._after = b""
         self._closed = False
@@ -73,11 +132,26 @@ class EventRelay:
     # -- the decode thread -----------------------------------------------------------------
     def __call__(self, event: EngineEvent) -> None:
         with self._lock:
-            if self._fd is not None and type(event) is TokenEvent:
-                if event.text:
-                    self._write(event.text)
+            if (self._fd is not None or self._queued) and self._writer is not None and self._writer.put(self, event):
+                self._queued += 1
                 return
-            self._unread += 1
+            self._deliver(event)
+
+    # -- the writer ---------------------------------------------------------------------------
+    def deliver_queued(self, event: EngineEvent) -> None:
+        """Deliver an event the decode thread gave the writer."""
+        with self._lock:
+            self._queued -= 1
+            self._deliver(event)
+
+    def _deliver(self, event: EngineEvent) -> None:
+        """Under the lock (so two threads' events reach the loop in the order they were delivered): write a token's
+        chunk when the stream is direct, else hand the event to the loop."""
+        if self._fd is not None and type(event) is TokenEvent:
+            if event.text:
+                self._write(event.text)
+            return
+        self._unread += 1
         self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     def _write(self, text: str) -> None:
