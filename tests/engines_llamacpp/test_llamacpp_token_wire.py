@@ -288,6 +288,29 @@ def test_events_after_a_hand_back_to_the_loop_wait_for_those_still_with_the_writ
         writer.stop()
 
 
+def test_one_stream_s_failure_never_stops_the_writer_for_the_others(caplog: pytest.LogCaptureFixture) -> None:
+    class Broken:
+        def deliver_queued(self, event: object) -> None:
+            raise RuntimeError("a broken stream")
+
+    writer = ChunkWriter()
+    writer.start()
+
+    async def main() -> None:
+        async with open_wire(writer) as wire:
+            assert wire.relay.go_direct(wire.transport, BEFORE, AFTER)
+            writer.put(Broken(), TokenEvent("", 0))  # type: ignore[arg-type]
+            wire.relay(TokenEvent("still written", 1))
+            await wire.settled()
+            assert unframe(wire.read_available()) == ["still written"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        writer.stop()
+    assert "a broken stream" in caplog.text
+
+
 def test_a_stopped_writer_delivers_what_it_was_given_and_then_the_decode_thread_writes() -> None:
     async def main() -> None:
         writer = ChunkWriter()
