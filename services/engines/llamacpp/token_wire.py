@@ -10,8 +10,8 @@ usage, `[DONE]`) still goes through the loop.
 
 Who writes: the engine's `ChunkWriter` thread, which the decode thread hands each
 event of a direct stream to. A write to a local client wakes it, and the kernel
-runs a reader woken by a TCP write on the writer's CPU: written from the decode
-thread itself, each write held the decode up for the reader's turn (108 µs
+may run the woken reader on the writer's CPU first: written from the decode
+thread itself, each write held the decode up for it (108 µs
 median, 638 µs p90 per token at one stream, docs/benchmarks.md). llama-server's
 decode loop likewise hands each token to its HTTP threads. Without a running
 writer (an app served without its lifespan), the decode thread writes itself.
