@@ -45,16 +45,19 @@ def unframe(data: bytes) -> list[str]:
     return texts
 
 
+@pytest.fixture
+def chunk_writer() -> Iterator[ChunkWriter]:
+    """A running writer thread, stopped after the test."""
+    running = ChunkWriter()
+    running.start()
+    yield running
+    running.stop()
+
+
 @pytest.fixture(params=["writer", "inline"])
-def writer(request: pytest.FixtureRequest) -> Iterator[ChunkWriter | None]:
+def writer(request: pytest.FixtureRequest) -> ChunkWriter | None:
     """The engine's writer thread, or none (the decode thread writes itself): every wire test runs with both."""
-    if request.param == "inline":
-        yield None
-        return
-    chunk_writer = ChunkWriter()
-    chunk_writer.start()
-    yield chunk_writer
-    chunk_writer.stop()
+    return request.getfixturevalue("chunk_writer") if request.param == "writer" else None
 
 
 class Wire:
@@ -204,7 +207,7 @@ def test_the_descriptor_written_to_is_the_relay_s_own_and_closed_with_it(writer:
 
 
 def test_with_a_writer_the_decode_thread_never_writes_and_the_finish_follows_the_last_chunk(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, chunk_writer: ChunkWriter
 ) -> None:
     """The writer does every direct write, in the order the decode thread gave the events; a finish given right
     after the tokens reaches the loop only once they are on the wire."""
@@ -216,11 +219,9 @@ def test_with_a_writer_the_decode_thread_never_writes_and_the_finish_follows_the
         return real_write(fd, data)
 
     monkeypatch.setattr(token_wire.os, "write", recorded_write)
-    writer = ChunkWriter()
-    writer.start()
 
     async def main() -> None:
-        async with open_wire(writer) as wire:
+        async with open_wire(chunk_writer) as wire:
             assert wire.relay.go_direct(wire.transport, BEFORE, AFTER)
             finish = FinishEvent(RequestState.COMPLETED, "length", "", 5, 200, 0)
 
@@ -236,10 +237,7 @@ def test_with_a_writer_the_decode_thread_never_writes_and_the_finish_follows_the
             assert unframe(wire.read_available()) == [f"t{i} " for i in range(200)], "every chunk before the finish"
             assert writing_threads == {"llamacpp-chunk-writer"}
 
-    try:
-        asyncio.run(main())
-    finally:
-        writer.stop()
+    asyncio.run(main())
 
 
 class Hold:
@@ -253,20 +251,18 @@ class Hold:
         assert self.release.wait(10)
 
 
-def test_events_after_a_hand_back_to_the_loop_wait_for_those_still_with_the_writer() -> None:
+def test_events_after_a_hand_back_to_the_loop_wait_for_those_still_with_the_writer(chunk_writer: ChunkWriter) -> None:
     """A write the kernel cannot take whole hands the stream back to the loop while the writer still holds later
     events of it: an event the decode thread gives then goes behind them, not straight to the loop."""
-    writer = ChunkWriter()
-    writer.start()
     big = "x" * (1 << 18)  # more than the kernel's buffers hold: a partial write
 
     async def main() -> None:
-        async with open_wire(writer, send_buffer=4096) as wire:
+        async with open_wire(chunk_writer, send_buffer=4096) as wire:
             assert wire.relay.go_direct(wire.transport, BEFORE, AFTER)
             first, second = Hold(), Hold()
-            writer.put(first, TokenEvent("", 0))  # type: ignore[arg-type]
+            chunk_writer.put(first, TokenEvent("", 0))  # type: ignore[arg-type]
             wire.relay(TokenEvent(big, 1))
-            writer.put(second, TokenEvent("", 0))  # type: ignore[arg-type]
+            chunk_writer.put(second, TokenEvent("", 0))  # type: ignore[arg-type]
             wire.relay(TokenEvent("t1", 2))
             first.release.set()
             assert await asyncio.get_running_loop().run_in_executor(None, second.reached.wait, 10)
@@ -282,44 +278,35 @@ def test_events_after_a_hand_back_to_the_loop_wait_for_those_still_with_the_writ
                     await take(wire)
             assert unframe(received) == [big, "t1", "t2"]
 
-    try:
-        asyncio.run(main())
-    finally:
-        writer.stop()
+    asyncio.run(main())
 
 
-def test_one_stream_s_failure_never_stops_the_writer_for_the_others(caplog: pytest.LogCaptureFixture) -> None:
+def test_one_stream_s_failure_never_stops_the_writer_for_the_others(
+    caplog: pytest.LogCaptureFixture, chunk_writer: ChunkWriter
+) -> None:
     class Broken:
         def deliver_queued(self, event: object) -> None:
             raise RuntimeError("a broken stream")
 
-    writer = ChunkWriter()
-    writer.start()
-
     async def main() -> None:
-        async with open_wire(writer) as wire:
+        async with open_wire(chunk_writer) as wire:
             assert wire.relay.go_direct(wire.transport, BEFORE, AFTER)
-            writer.put(Broken(), TokenEvent("", 0))  # type: ignore[arg-type]
+            chunk_writer.put(Broken(), TokenEvent("", 0))  # type: ignore[arg-type]
             wire.relay(TokenEvent("still written", 1))
             await wire.settled()
             assert unframe(wire.read_available()) == ["still written"]
 
-    try:
-        asyncio.run(main())
-    finally:
-        writer.stop()
+    asyncio.run(main())
     assert "a broken stream" in caplog.text
 
 
-def test_a_stopped_writer_delivers_what_it_was_given_and_then_the_decode_thread_writes() -> None:
+def test_a_stopped_writer_delivers_what_it_was_given_and_then_the_decode_thread_writes(chunk_writer: ChunkWriter) -> None:
     async def main() -> None:
-        writer = ChunkWriter()
-        writer.start()
-        async with open_wire(writer) as wire:
+        async with open_wire(chunk_writer) as wire:
             assert wire.relay.go_direct(wire.transport, BEFORE, AFTER)
             for i in range(50):
                 wire.relay(TokenEvent(f"t{i} ", i + 1))
-            writer.stop()
+            chunk_writer.stop()  # the fixture's own stop then finds it stopped
             assert wire.relay._queued == 0, "the stop delivered everything queued"
             wire.relay(TokenEvent("after ", 51))  # written by the caller itself now
             assert unframe(wire.read_available()) == [f"t{i} " for i in range(50)] + ["after "]
