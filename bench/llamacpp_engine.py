@@ -15,14 +15,14 @@ All run in this one invocation, on the same model, thread count and number of se
 Each level c in --concurrency runs c client streams for --seconds, each sending
 chat requests back to back (greedy, --max-tokens output with end-of-generation
 suppressed by logit_bias so every answer has the same length). Streams a server
-starts in different steps drift apart, so requests arrive one at a time while others
-decode, as a server's clients do; streams it starts in one step end in one step and
-come back as a burst (at 8 streams, our engine's usually do: there TTFT is mostly how
-a burst is started from idle). With --slots 8, 16 streams are twice what either
-server decodes at once: the overload level, where it shows who queues and who
-refuses. Reported: aggregate output tokens/s (over all repeats, and the spread of
-the ratio to llama-server repeat by repeat), client-side TTFT p50/p95/p99 over every request of every
-repeat, refused or failed requests, and retried ones (a connection the server
+starts in different steps drift apart, so requests arrive one at a time while
+others decode, as a server's clients do; streams it starts in one step end in one
+step and come back as a burst (at 8 streams, our engine's usually do: there TTFT
+is mostly how a burst is started from idle). With --slots 8, 16 streams are twice
+what either server decodes at once: the overload level, where it shows who queues
+and who refuses. Reported: aggregate output tokens/s (over all repeats, and the
+spread of the ratio to llama-server repeat by repeat), client-side TTFT
+p50/p95/p99 over every request of every repeat, refused or failed requests, and retried ones (a connection the server
 dropped before answering is retried once, as OpenAI's client does). Each repeat
 measures every system once, in an order rotated by one each repeat, so a drift
 in the machine lands on each alike.

@@ -85,14 +85,14 @@ class _Answer:
         self.finished = False
         """The engine is done with the request (nothing to cancel)."""
         self.transport: asyncio.Transport | None = None
-        """The client's socket, where the server lets the decode thread write token chunks (`token_wire`)."""
+        """The client's socket, where the server lets token chunks be written onto it directly (`token_wire`)."""
 
     async def next(self) -> EngineEvent | None:
         """The next engine event, or None when the client went away first."""
         return await self.relay.next()
 
     def go_direct(self, chunk_before: bytes, chunk_after: bytes) -> None:
-        """Hand the token chunks to the decode thread's direct writes, where the server and the stream allow."""
+        """Hand the token chunks over to direct writes (`token_wire`), where the server and the stream allow."""
         if self.transport is not None:
             self.relay.go_direct(self.transport, chunk_before, chunk_after)
 

@@ -11,9 +11,9 @@ usage, `[DONE]`) still goes through the loop.
 Who writes: the engine's `ChunkWriter` thread, which the decode thread hands each
 event of a direct stream to. A write to a local client wakes it, and the kernel
 may run the woken reader on the writer's CPU first: written from the decode
-thread itself, each write held the decode up for it (108 µs
-median, 638 µs p90 per token at one stream, docs/benchmarks.md). llama-server's
-decode loop likewise hands each token to its HTTP threads. Without a running
+thread itself, each write held the decode up for it (108 µs median, 638 µs p90
+per token at one stream, docs/benchmarks.md). llama-server's decode loop
+likewise hands each token to its HTTP threads. Without a running
 writer (an app served without its lifespan), the decode thread writes itself.
 
 Order on the wire is the order of events: the loop hands a stream over only when
@@ -199,7 +199,7 @@ class EventRelay:
             self._unread -= 1
 
     def go_direct(self, transport: asyncio.Transport, chunk_before: bytes, chunk_after: bytes) -> bool:
-        """Let the decode thread write the token chunks (`chunk_before` + the JSON string of the text +
+        """Let the token chunks be written directly from now on (`chunk_before` + the JSON string of the text +
         `chunk_after`, chunk-framed) from now on, if nothing given to the loop is still unwritten."""
         with self._lock:
             if self._fd is not None:
