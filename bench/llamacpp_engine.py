@@ -22,10 +22,10 @@ is mostly how a burst is started from idle). With --slots 8, 16 streams are twic
 what either server decodes at once: the overload level, where it shows who queues
 and who refuses. Reported: aggregate output tokens/s (over all repeats, and the
 spread of the ratio to llama-server repeat by repeat), client-side TTFT
-p50/p95/p99 over every request of every repeat, refused or failed requests, and retried ones (a connection the server
-dropped before answering is retried once, as OpenAI's client does). Each repeat
-measures every system once, in an order rotated by one each repeat, so a drift
-in the machine lands on each alike.
+p50/p95/p99 over every request of every repeat, refused or failed requests, and
+retried ones (a connection the server dropped before answering is retried once,
+as OpenAI's client does). Each repeat measures every system once, in an order
+rotated by one each repeat, so a drift in the machine lands on each alike.
 The last line printed is one JSON object.
 
     .venv/bin/python bench/llamacpp_engine.py [--threads 2] [--slots 8] [--concurrency 1,4,8,16] [--seconds 10] [--repeats 8]
